@@ -1,0 +1,1 @@
+"""Sparrow core: schedules, acceptance statistics, cost model, model and hardware presets, config."""

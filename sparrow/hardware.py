@@ -1,0 +1,90 @@
+"""Accelerator figures the cost model needs: peak FLOP/s and memory bandwidth, hence FLOPs per byte."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from dataclasses import dataclass
+
+
+class HardwareError(ValueError):
+    """An unknown hardware name."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak dense FLOP/s at one element type, and memory bandwidth."""
+
+    name: str
+    peak_flops: float  # FLOP/s
+    mem_bandwidth: float  # bytes/s
+    bytes_per_element: int  # size of the element type `peak_flops` is quoted for; the KV cache uses it too
+    source: str = ""
+
+    @property
+    def flops_per_byte(self) -> float:
+        """I: FLOPs the chip can do in the time it moves one byte."""
+        return self.peak_flops / self.mem_bandwidth
+
+
+# NVIDIA datasheets (H200 Tensor Core GPU datasheet; H100 Tensor Core GPU datasheet, SXM column):
+# BF16 tensor-core peak is listed as 1,979 TFLOPS "with sparsity", i.e. 989 TFLOPS dense, for both.
+_PRESETS: dict[str, Hardware] = {
+    "h200": Hardware("h200", 989e12, 4.8e12, 2, "NVIDIA H200 datasheet: 989 TFLOPS dense BF16, 4.8 TB/s HBM3e"),
+    "h100": Hardware("h100", 989e12, 3.35e12, 2, "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16, 3.35 TB/s HBM3"),
+}
+
+
+def list_hardware() -> list[str]:
+    """Names of the hardware presets (`cpu` is measured, see `probe_cpu`)."""
+    return list(_PRESETS)
+
+
+def get_hardware(name: str) -> Hardware:
+    """The hardware preset `name`; `cpu` runs `probe_cpu()`."""
+    key = name.lower()
+    if key == "cpu":
+        return probe_cpu()
+    if key == "h100-sxm":
+        key = "h100"
+    hw = _PRESETS.get(key)
+    if hw is None:
+        known = [*_PRESETS, "cpu"]
+        close = difflib.get_close_matches(key, known, n=2, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
+        raise HardwareError(f"unknown hardware {name!r}; {hint}")
+    return hw
+
+
+def probe_cpu(seconds: float = 1.0) -> Hardware:
+    """Measure this CPU's fp32 matmul FLOP/s and copy bandwidth with torch, in about `seconds`.
+
+    Achieved rates, not peaks: the best of several timed repetitions at torch's current thread count.
+    """
+    import torch  # lazily: the presets above need no torch
+
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    flops = _best_rate(lambda: torch.mm(a, b, out=out), 2.0 * n**3, seconds / 2)
+
+    # 64 MiB, well beyond the last-level cache, so the copy runs at memory speed.
+    src = torch.ones(16 * 1024 * 1024)
+    dst = torch.empty_like(src)
+    moved = 2.0 * src.numel() * src.element_size()  # read once, written once
+    bandwidth = _best_rate(lambda: dst.copy_(src), moved, seconds / 2)
+    threads = torch.get_num_threads()
+    return Hardware("cpu", flops, bandwidth, 4, f"measured on this CPU, fp32, {threads} thread(s)")
+
+
+def _best_rate(step, work: float, budget_s: float) -> float:
+    step()  # warm-up: first-touch page faults and kernel selection are not the steady rate
+    best = float("inf")
+    deadline = time.perf_counter() + budget_s
+    repeats = 0
+    while repeats < 3 or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+        repeats += 1
+    return work / max(best, 1e-9)

@@ -1,0 +1,88 @@
+import json
+
+import pytest
+from pydantic import Field, SecretStr
+
+from sparrow.config import ConfigError, ConfigSection, SparrowConfig, load_config
+
+
+class Optim(ConfigSection):
+    lr: float = Field(1e-6, gt=0, description="Learning rate.")
+    steps: int = 10
+    """Optimizer steps."""
+
+
+class Demo(SparrowConfig):
+    name: str = Field("default", description="Run name.")
+    optim: Optim = Field(default_factory=Optim, description="Optimizer settings.")
+    token: SecretStr = Field(SecretStr("hunter2"), description="Admin token.")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in ("SPARROW_NAME", "SPARROW_OPTIM__LR", "SPARROW_OPTIM__STEPS"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def _toml(tmp_path, text):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults():
+    c = load_config(Demo)
+    assert (c.name, c.optim.lr, c.optim.steps) == ("default", 1e-6, 10)
+
+
+def test_precedence_flags_over_env_over_file_over_defaults(tmp_path, monkeypatch):
+    path = _toml(tmp_path, 'name = "file"\n[optim]\nlr = 0.1\nsteps = 3\n')
+    c = load_config(Demo, path)
+    assert (c.name, c.optim.lr, c.optim.steps) == ("file", 0.1, 3)
+    monkeypatch.setenv("SPARROW_OPTIM__LR", "0.2")
+    monkeypatch.setenv("SPARROW_NAME", "env")
+    c = load_config(Demo, path)
+    assert (c.name, c.optim.lr, c.optim.steps) == ("env", 0.2, 3)
+    c = load_config(Demo, path, overrides={"optim.lr": 0.3, "name": "flag"})
+    assert (c.name, c.optim.lr, c.optim.steps) == ("flag", 0.3, 3)
+    c = load_config(Demo, path, overrides={"optim": {"steps": 9}})
+    assert (c.optim.lr, c.optim.steps) == (0.2, 9)  # a nested override keeps the sibling keys
+
+
+def test_unknown_key_in_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'optim.lrr' in .*c.toml"):
+        load_config(Demo, _toml(tmp_path, "[optim]\nlrr = 0.1\n"))
+    with pytest.raises(ConfigError, match="unknown config key 'nme'"):
+        load_config(Demo, _toml(tmp_path, 'nme = "x"\n'))
+    with pytest.raises(ConfigError, match="in overrides"):
+        load_config(Demo, overrides={"optim.bogus": 1})
+
+
+def test_validation_errors_are_one_line(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match="'optim.lr'.*greater than 0") as info:
+        load_config(Demo, overrides={"optim.lr": -1})
+    assert "\n" not in str(info.value)
+    monkeypatch.setenv("SPARROW_OPTIM__STEPS", "many")
+    with pytest.raises(ConfigError, match="'optim.steps'"):
+        load_config(Demo)
+    with pytest.raises(ConfigError, match="malformed TOML"):
+        load_config(Demo, _toml(tmp_path, "name = \n"))
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(Demo, tmp_path / "missing.toml")
+
+
+def test_dump_is_json_with_secrets_masked():
+    dumped = json.loads(load_config(Demo, overrides={"name": "x"}).dump())
+    assert dumped == {"name": "x", "optim": {"lr": 1e-6, "steps": 10}, "token": "**********"}
+
+
+def test_every_field_needs_a_description():
+    with pytest.raises(TypeError, match="need a description: bare"):
+
+        class Bad(SparrowConfig):
+            bare: int = 1
+
+    with pytest.raises(TypeError, match="need a description: x"):
+
+        class BadSection(ConfigSection):
+            x: int = 1

@@ -1,0 +1,97 @@
+import dataclasses
+
+import pytest
+
+from sparrow.cost import dense_cost, mean_kept_tokens, predict, scheduled_sparse_cost, sparse_cost
+from sparrow.hardware import get_hardware
+from sparrow.models import get_model
+from sparrow.presets import get_preset
+from sparrow.schedule import Schedule
+
+# P=10, N=2, L_in=4, L_out=6, D=3, r=2, I*bytes=5, B=2, page=2.
+SMALL = dict(params=10, samples=2, prompt_len=4, gen_len=6, kv_dim=3, gqa_ratio=2, mem_weight=5)
+
+
+def test_dense_cost_by_hand():
+    c = dense_cost(**SMALL)
+    assert c.compute == 2 * 10 * 2 * 6 + 2 * (2 * 4 + 6) * 6 * 2 * 3  # 240 + 1008
+    assert c.memory == 5 * (2 * 4 * 6 * 3 + 2 * 6**2 * 3)  # 5 * (144 + 216)
+    assert c.total == 1248 + 1800
+
+
+def test_sparse_cost_by_hand():
+    c = sparse_cost(**SMALL, budget=2, page_size=2)
+    assert c.compute == 240 + 288 + 288 + 108
+    assert c.memory == 5 * (144 + 144 + 54)
+
+
+def test_constant_schedule_below_the_prompt_is_the_paper_formula():
+    args = dict(params=1e9, samples=8, prompt_len=4096, gen_len=3000, kv_dim=4096, gqa_ratio=4, mem_weight=400)
+    scheduled = scheduled_sparse_cost(**args, schedule=Schedule(budgets=(1024, 1024, 1024)))
+    closed = sparse_cost(**args, budget=1024, page_size=16)
+    assert scheduled.compute == pytest.approx(closed.compute, rel=1e-12)
+    assert scheduled.memory == pytest.approx(closed.memory, rel=1e-12)
+
+
+def test_budget_covering_every_length_is_dense():
+    args = dict(params=1e9, samples=8, prompt_len=500, gen_len=3000, kv_dim=4096, gqa_ratio=4, mem_weight=400)
+    scheduled = scheduled_sparse_cost(**args, schedule=Schedule(budgets=(3504,)))
+    dense = dense_cost(**args)
+    assert scheduled.total == pytest.approx(dense.total, rel=1e-12)
+    m, hw = get_model("qwen3-4b"), get_hardware("h200")
+    assert predict(m, Schedule(budgets=(40_000,)), hw, 512, 32768, 8).speedup == pytest.approx(1.0, rel=1e-12)
+
+
+def test_scheduled_cost_sums_positions():
+    s = Schedule(budgets=(64, 128), bin_width=100, page_size=16)
+    n, li, lo, d, r, w = 3, 40, 200, 5, 2, 7
+    compute, memory, kept = 2 * n * 11 * lo, 0.0, 0
+    for t in range(lo):
+        kv, b, g = li + t, s.budget_for(li + t), t + 0.5
+        kept += min(kv, b)
+        if kv <= b:  # dense while the sequence fits its budget
+            compute += 2 * r * n * d * (li + g)
+            memory += 2 * li * d + 2 * n * d * g
+        else:
+            compute += 2 * r * n * d * b + 2 * n * li * d + r * n * d * g / 16
+            memory += 2 * n * d * b + 2 * li * d + n * d * g / 16
+    c = scheduled_sparse_cost(11, n, li, lo, d, r, w, s)
+    assert c.compute == pytest.approx(compute, rel=1e-12)
+    assert c.memory == pytest.approx(w * memory, rel=1e-12)
+    assert mean_kept_tokens(s, li, lo) == pytest.approx(kept / lo)
+
+
+def _speedup(size, **kw):
+    return predict(
+        get_model(f"qwen3-{size}"), get_preset(f"qwen3-{size}-0.86"), get_hardware("h200"), 512, 32768, 8, **kw
+    )
+
+
+def test_speedup_falls_with_model_size_at_0_86():
+    for kw in ({}, {"price_dense_layers": True}):
+        s = {size: _speedup(size, **kw).speedup for size in ("1.7b", "4b", "8b", "14b")}
+        assert s["1.7b"] > s["8b"] > s["14b"] > 1.5
+        assert s["1.7b"] < 5
+
+
+def test_pricing_dense_layers_lowers_the_speedup():
+    plain, priced = _speedup("1.7b"), _speedup("1.7b", price_dense_layers=True)
+    assert priced.dense_layers_priced == 2 and plain.dense_layers_priced == 0
+    assert priced.speedup < plain.speedup
+    assert priced.dense == plain.dense
+
+
+def test_bytes_per_element_weights_memory():
+    m, s = get_model("qwen3-4b"), get_preset("qwen3-4b-0.86")
+    h1 = dataclasses.replace(get_hardware("h200"), bytes_per_element=1)
+    one, two = predict(m, s, h1, 512, 4096, 8), predict(m, s, get_hardware("h200"), 512, 4096, 8)
+    assert two.dense.memory == pytest.approx(2 * one.dense.memory)
+    assert two.dense.compute == one.dense.compute
+
+
+def test_predict_rejects_bad_lengths():
+    m, s, hw = get_model("qwen3-4b"), get_preset("qwen3-4b-0.86"), get_hardware("h200")
+    with pytest.raises(ValueError, match="gen_len"):
+        predict(m, s, hw, 512, 0, 8)
+    with pytest.raises(ValueError, match="samples"):
+        predict(m, s, hw, 512, 10, 0)

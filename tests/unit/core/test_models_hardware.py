@@ -1,0 +1,70 @@
+import json
+
+import pytest
+
+from sparrow.hardware import HardwareError, get_hardware, list_hardware, probe_cpu
+from sparrow.models import ModelSpecError, from_hf_config, get_model, list_models, resolve_model
+
+# Model-card totals and non-embedding counts, in billions.
+PUBLISHED = {"qwen3-1.7b": (1.7, 1.4), "qwen3-4b": (4.0, 3.6), "qwen3-8b": (8.2, 6.95), "qwen3-14b": (14.8, 13.2)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_parameter_counts_match_the_model_cards(name):
+    spec = get_model(name)
+    total, non_embedding = PUBLISHED[name]
+    assert spec.params / 1e9 == pytest.approx(total, rel=0.02)
+    assert spec.non_embedding_params / 1e9 == pytest.approx(non_embedding, rel=0.02)
+
+
+def test_derived_kv_dim_and_gqa_ratio():
+    m = get_model("qwen3-4b")
+    assert m.kv_dim == 36 * 8 * 128 and m.gqa_ratio == 4
+    assert get_model("QWEN3-14B").gqa_ratio == 5
+    assert get_model("qwen3-1.7b").tie_embeddings and not get_model("qwen3-8b").tie_embeddings
+    assert list_models() == list(PUBLISHED)
+
+
+def test_hf_config_round_trip(tmp_path):
+    m = get_model("qwen3-8b")
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "intermediate_size": m.intermediate_size,
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": False,
+    }
+    built = from_hf_config(config, name="qwen3-8b")
+    assert built == m
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert resolve_model(str(tmp_path)).params == m.params
+    with pytest.raises(ModelSpecError, match="missing vocab_size"):
+        from_hf_config({k: v for k, v in config.items() if k != "vocab_size"})
+
+
+def test_unknown_model_names_close_ones():
+    with pytest.raises(ModelSpecError, match="did you mean qwen3-4b"):
+        get_model("qwen3-4")
+    with pytest.raises(ModelSpecError, match="cannot read model config"):
+        resolve_model("/nonexistent/config.json")
+
+
+def test_hardware_presets():
+    h200, h100 = get_hardware("h200"), get_hardware("H100")
+    assert h200.flops_per_byte == pytest.approx(989e12 / 4.8e12)
+    assert h100.flops_per_byte == pytest.approx(989e12 / 3.35e12)
+    assert h200.bytes_per_element == 2 and "datasheet" in h200.source
+    assert list_hardware() == ["h200", "h100"]
+    with pytest.raises(HardwareError, match="unknown hardware 'a100'"):
+        get_hardware("a100")
+
+
+def test_cpu_probe_measures_something_plausible():
+    hw = probe_cpu(seconds=0.2)
+    assert hw.name == "cpu" and hw.bytes_per_element == 4
+    assert 1e8 < hw.peak_flops < 1e14
+    assert 1e8 < hw.mem_bandwidth < 1e13
