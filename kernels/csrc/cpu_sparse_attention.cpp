@@ -1,0 +1,331 @@
+// Block-sparse decode attention for CPUs: page scoring and attention that read the paged KV
+// cache in place. Gathering pages into a contiguous buffer first (the torch path) triples the
+// memory traffic, which on a memory-bound decode step eats most of what sparsity saves.
+// Layout and semantics are those of kernels/layout.py; accumulation is in float32.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t d) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < d; ++i) s += q[i] * static_cast<float>(k[i]);
+  return s;
+}
+
+constexpr int64_t kPage = 16;
+
+// exp(x) for x <= 0 (softmax weights), written so that loops over it vectorize: 2^(x log2 e) split
+// into an integer power set in the exponent bits and 2^f, |f| <= 1/2, by its Taylor series
+// (relative error below 1e-8; underflows to 0 below -87).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float t = x * 1.4426950408889634f;
+  const float n = std::floor(t + 0.5f);
+  const float f = (t - n) * 0.6931471805599453f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// Pages sit at random places in the cache, so hardware prefetchers lose the stream at every page
+// boundary; asking for the next page while computing on this one keeps memory busy.
+inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+}
+
+void check_cache(const torch::Tensor& cache, const char* name) {
+  TORCH_CHECK(cache.dim() == 4, name, " must be [num_blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(cache.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(cache.size(2) % kPage == 0, name, " block size must be a multiple of 16");
+}
+
+}  // namespace
+
+// scores[r, h, p] = dot(qm[r, h], centroid of page p of row r); -inf past the row's last page.
+torch::Tensor score_pages(torch::Tensor qm, torch::Tensor centroids, torch::Tensor block_table,
+                          torch::Tensor seq_lens, int64_t block_size) {
+  TORCH_CHECK(qm.scalar_type() == torch::kFloat && centroids.scalar_type() == torch::kFloat,
+              "query means and centroids must be float32");
+  qm = qm.contiguous();
+  TORCH_CHECK(centroids.is_contiguous(), "centroids must be contiguous");
+  auto bt = block_table.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  const int64_t rows = qm.size(0), heads = qm.size(1), d = qm.size(2);
+  const int64_t per_block = block_size / kPage;
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  int64_t max_pages = 0;
+  for (int64_t r = 0; r < rows; ++r) max_pages = std::max(max_pages, (lp[r] + kPage - 1) / kPage);
+  auto out = torch::full({rows, heads, max_pages}, -std::numeric_limits<float>::infinity(), qm.options());
+  const float* q = qm.data_ptr<float>();
+  const float* c = centroids.data_ptr<float>();
+  const int64_t* b = bt.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t bt_stride = bt.size(1);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads;
+      const int64_t n = (lp[r] + kPage - 1) / kPage;
+      const float* qv = q + (r * heads + h) * d;
+      float* orow = o + (r * heads + h) * max_pages;
+      constexpr int64_t kAhead = 8;
+      for (int64_t p = 0; p < n; ++p) {
+        if (p + kAhead < n) {
+          const int64_t ahead = b[r * bt_stride + (p + kAhead) / per_block];
+          prefetch(c + ((ahead * heads + h) * per_block + (p + kAhead) % per_block) * d, d * sizeof(float));
+        }
+        const int64_t blk = b[r * bt_stride + p / per_block];
+        orow[p] = dot(qv, c + ((blk * heads + h) * per_block + p % per_block) * d, d);
+      }
+    }
+  });
+  return out;
+}
+
+// Selected pages per (row, kv head), ascending, -1 padded: all pages when the row fits its budget,
+// else the sink pages, the local pages and the top (budget - sink - local) pages in between by
+// score, ties to the lower page index (the rule of kernels/select.py).
+torch::Tensor select_pages(torch::Tensor scores, torch::Tensor seq_lens, torch::Tensor budgets, int64_t sink,
+                           int64_t local) {
+  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == torch::kFloat, "scores must be float32 [rows, heads, pages]");
+  scores = scores.contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto buds = budgets.to(torch::kLong).contiguous();
+  const int64_t rows = scores.size(0), heads = scores.size(1), max_pages = scores.size(2);
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* kp = buds.data_ptr<int64_t>();
+  int64_t width = 0;
+  for (int64_t r = 0; r < rows; ++r) width = std::max(width, std::min((lp[r] + kPage - 1) / kPage, kp[r]));
+  auto out = torch::full({rows, heads, width}, -1, scores.options().dtype(torch::kInt));
+  const float* sp = scores.data_ptr<float>();
+  int32_t* op = out.data_ptr<int32_t>();
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads;
+      const int64_t n = (lp[r] + kPage - 1) / kPage, k = kp[r];
+      const float* s = sp + (r * heads + h) * max_pages;
+      int32_t* o = op + (r * heads + h) * width;
+      int64_t w = 0;
+      if (n <= k) {
+        for (int64_t p = 0; p < n; ++p) o[w++] = static_cast<int32_t>(p);
+        continue;
+      }
+      const int64_t k_mid = k - sink - local;
+      float kth = std::numeric_limits<float>::infinity();
+      int64_t room = 0;
+      if (k_mid > 0) {
+        std::vector<float> cand(s + sink, s + n - local);
+        std::nth_element(cand.begin(), cand.begin() + (k_mid - 1), cand.end(), std::greater<float>());
+        kth = cand[k_mid - 1];
+        int64_t above = 0;
+        for (int64_t p = sink; p < n - local; ++p) above += s[p] > kth;
+        room = k_mid - above;
+      }
+      for (int64_t p = 0; p < n; ++p) {
+        bool take = p < sink || p >= n - local;
+        if (!take && k_mid > 0) take = s[p] > kth || (s[p] == kth && room-- > 0);
+        if (take) o[w++] = static_cast<int32_t>(p);
+      }
+    }
+  });
+  return out;
+}
+
+#ifdef __AVX512F__
+// One page of online softmax for one query head, float32 cache, head_dim = 16 * NC: the query and
+// the accumulator live in registers across the page's 16 tokens, and each logit uses two
+// independent FMA chains. (The generic loop below re-reads the accumulator per token and runs one
+// long dependent chain per dot product: about three times slower.)
+template <int NC>
+void page_update_f32(const float* qv, const float* kb, const float* vb, int64_t valid, float scale, float& m,
+                     float& l, float* acc) {
+  static_assert(NC % 2 == 0, "two FMA chains per logit");
+  __m512 qr[NC];
+  for (int c = 0; c < NC; ++c) qr[c] = _mm512_loadu_ps(qv + 16 * c);
+  float logits[kPage];
+  float page_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < valid; ++t) {
+    const float* kt = kb + t * NC * 16;
+    __m512 s0 = _mm512_mul_ps(qr[0], _mm512_loadu_ps(kt));
+    __m512 s1 = _mm512_mul_ps(qr[1], _mm512_loadu_ps(kt + 16));
+    for (int c = 2; c < NC; c += 2) {
+      s0 = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(kt + 16 * c), s0);
+      s1 = _mm512_fmadd_ps(qr[c + 1], _mm512_loadu_ps(kt + 16 * (c + 1)), s1);
+    }
+    logits[t] = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) * scale;
+    page_max = std::max(page_max, logits[t]);
+  }
+  const float new_m = std::max(m, page_max);
+  const float correction = exp_nonpositive(m - new_m);
+  __m512 ar[NC];
+  const __m512 cv = _mm512_set1_ps(correction);
+  for (int c = 0; c < NC; ++c) ar[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), cv);
+  float sum = l * correction;
+  for (int64_t t = 0; t < valid; ++t) {
+    const float w = exp_nonpositive(logits[t] - new_m);
+    sum += w;
+    const __m512 wv = _mm512_set1_ps(w);
+    const float* vt = vb + t * NC * 16;
+    for (int c = 0; c < NC; ++c) ar[c] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vt + 16 * c), ar[c]);
+  }
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, ar[c]);
+  l = sum;
+  m = new_m;
+}
+#endif
+
+using PageUpdate = void (*)(const float*, const float*, const float*, int64_t, float, float&, float&, float*);
+
+template <typename T>
+PageUpdate fast_page_update(int64_t d) {
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<T, float>) {
+    if (d == 32) return page_update_f32<2>;
+    if (d == 64) return page_update_f32<4>;
+    if (d == 128) return page_update_f32<8>;
+    if (d == 256) return page_update_f32<16>;
+  }
+#endif
+  (void)d;
+  return nullptr;
+}
+
+template <typename T>
+void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int32_t* pages,
+                 int64_t max_sel, double scale, torch::Tensor& out) {
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t heads = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = hq / heads;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const PageUpdate fast = fast_page_update<T>(d);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads;
+      std::vector<float> acc(g * d, 0.f), m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
+      float logits[kPage];
+      const int64_t len = lens[r];
+      const int64_t n_pages = (len + kPage - 1) / kPage;
+      const int64_t n = pages ? max_sel : n_pages;
+      auto page_at = [&](int64_t j) -> int64_t { return pages ? pages[(r * heads + h) * max_sel + j] : j; };
+      auto page_ptr = [&](const T* base, int64_t p) {
+        const int64_t blk = bt[r * bt_stride + (p * kPage) / bs];
+        return base + ((blk * heads + h) * bs + (p * kPage) % bs) * d;
+      };
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = page_at(j);
+        if (p < 0) continue;
+        if (j + 1 < n && page_at(j + 1) >= 0) {
+          prefetch(page_ptr(kp, page_at(j + 1)), kPage * d * sizeof(T));
+          prefetch(page_ptr(vp, page_at(j + 1)), kPage * d * sizeof(T));
+        }
+        const int64_t valid = std::min<int64_t>(kPage, len - p * kPage);
+        const T* kb = page_ptr(kp, p);
+        const T* vb = page_ptr(vp, p);
+        if (fast) {
+          for (int64_t gi = 0; gi < g; ++gi) {
+            fast(qp + (r * hq + h * g + gi) * d, reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb),
+                 valid, static_cast<float>(scale), m[gi], l[gi], acc.data() + gi * d);
+          }
+          continue;
+        }
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float* qv = qp + (r * hq + h * g + gi) * d;
+          float page_max = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < valid; ++t) {
+            logits[t] = dot(qv, kb + t * d, d) * static_cast<float>(scale);
+            page_max = std::max(page_max, logits[t]);
+          }
+          const float new_m = std::max(m[gi], page_max);
+          float w[kPage];
+#pragma omp simd
+          for (int64_t t = 0; t < valid; ++t) w[t] = exp_nonpositive(logits[t] - new_m);
+          const float correction = exp_nonpositive(m[gi] - new_m);
+          float* a = acc.data() + gi * d;
+          float sum = l[gi] * correction;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) a[i] *= correction;
+          for (int64_t t = 0; t < valid; ++t) {
+            const float wt = w[t];
+            sum += wt;
+            const T* vt = vb + t * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] += wt * static_cast<float>(vt[i]);
+          }
+          l[gi] = sum;
+          m[gi] = new_m;
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* dst = op + (r * hq + h * g + gi) * d;
+        const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+        for (int64_t i = 0; i < d; ++i) dst[i] = acc[gi * d + i] * inv;
+      }
+    }
+  });
+}
+
+// out[r, hq] = softmax attention of q[r, hq] over the selected pages of its KV head (all pages
+// when page_indices is empty), tokens past seq_lens[r] excluded. Returns float32.
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens,
+                            c10::optional<torch::Tensor> page_indices, double scale) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
+              "q must be [rows, q_heads, head_dim] matching the cache");
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto bt = block_table.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  torch::Tensor pages;
+  int64_t max_sel = 0;
+  if (page_indices.has_value()) {
+    pages = page_indices->to(torch::kInt).contiguous();
+    TORCH_CHECK(pages.dim() == 3 && pages.size(0) == q.size(0) && pages.size(1) == k_cache.size(1),
+                "page_indices must be [rows, kv_heads, n]");
+    max_sel = pages.size(2);
+  }
+  auto out = torch::empty(qf.sizes(), qf.options());
+  const int32_t* pp = pages.defined() ? pages.data_ptr<int32_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, k_cache.scalar_type(), "sparse_decode", [&] {
+    decode_impl<scalar_t>(qf, k_cache, v_cache, bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(), pp,
+                          max_sel, scale, out);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("score_pages", &score_pages, "page scores against centroids, read in place");
+  m.def("select_pages", &select_pages, "top-k page selection with sink and local pages");
+  m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged cache, read in place");
+}
