@@ -1,0 +1,98 @@
+"""`sparrow bench ...`: benchmarks that measure ratios in one run and print them (JSON with --json)."""
+
+from __future__ import annotations
+
+import argparse
+
+from sparrow_cli.errors import CliError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `sparrow bench` and its benchmarks."""
+    p = subparsers.add_parser("bench", help="benchmarks: dense vs sparse, measured in one run")
+    sub = p.add_subparsers(dest="bench", metavar="BENCH")
+    sub.required = True
+    a = sub.add_parser("attention", help="dense vs block-sparse decode attention on this machine")
+    a.add_argument("--context", type=int, default=32768, help="KV length of every sequence (default 32768)")
+    a.add_argument("--budget", type=int, default=2048, help="sparse KV budget in tokens, a multiple of 16 (2048)")
+    a.add_argument("--batch", type=int, default=8, help="sequences decoded together (default 8)")
+    a.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    a.add_argument("--q-heads", type=int, default=16, help="query heads, a multiple of --kv-heads (default 16)")
+    a.add_argument("--head-dim", type=int, default=128, help="head dimension (default 128)")
+    a.add_argument("--block-size", type=int, default=16, help="engine KV-cache block size, a multiple of 16 (16)")
+    a.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="KV-cache dtype (float32)")
+    a.add_argument("--iters", type=int, default=10, help="timed iterations of each side (default 10)")
+    a.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads for both sides (default 1: reproducible on a shared machine; 0 = torch's choice)",
+    )
+    a.add_argument(
+        "--backend", choices=("auto", "torch", "cpu", "triton"), default="auto", help="sparse kernels to run (auto)"
+    )
+    a.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen benchmark and print its figures."""
+    if args.bench == "attention":
+        return _attention(args)
+    raise CliError(f"unknown benchmark {args.bench!r}")
+
+
+def _attention(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--context", args.context),
+        ("--budget", args.budget),
+        ("--batch", args.batch),
+        ("--kv-heads", args.kv_heads),
+        ("--q-heads", args.q_heads),
+        ("--head-dim", args.head_dim),
+        ("--iters", args.iters),
+    ):
+        if value < 1:
+            raise CliError(f"{flag} must be positive, got {value}")
+    import torch
+
+    from bench.attention import run_attention_bench
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        result = run_attention_bench(
+            context=args.context,
+            budget=args.budget,
+            batch=args.batch,
+            kv_heads=args.kv_heads,
+            q_heads=args.q_heads,
+            head_dim=args.head_dim,
+            block_size=args.block_size,
+            dtype=getattr(torch, args.dtype),
+            iters=args.iters,
+            backend=args.backend,
+        )
+    except (ValueError, RuntimeError) as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json(result.to_dict())
+        return 0
+    r = result
+    print(
+        f"decode attention, {r.batch} x {r.context} tokens, {r.kv_heads} KV / {r.q_heads} query heads, "
+        f"head dim {r.head_dim}, {r.dtype}, {r.threads} threads, sparse backend {r.backend}"
+    )
+    print(
+        f"  dense  {r.dense_ms:9.2f} ms   (reads {r.kv_bytes_dense / 2**20:,.0f} MiB of KV; the faster of SDPA on a "
+        f"contiguous copy {r.dense_sdpa_ms:.1f} ms and the paged kernel {r.dense_paged_ms:.1f} ms)"
+    )
+    print(
+        f"  sparse {r.sparse_ms:9.2f} ms   (budget {r.budget} tokens; reads {r.kv_bytes_sparse / 2**20:,.0f} MiB "
+        "of KV and centroids)"
+    )
+    print(f"  speedup {r.speedup:.2f}x of a {r.bound:.2f}x KV-bytes bound ({r.fraction_of_bound:.0%} of it)")
+    print(f"  full-budget sparse and paged dense vs SDPA: max abs diff {r.max_abs_diff_full_budget:.2e}")
+    return 0

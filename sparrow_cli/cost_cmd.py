@@ -1,0 +1,99 @@
+"""`sparrow cost`: predicted dense vs sparse rollout cost (eFLOPs) and speedup for a model and schedule."""
+
+from __future__ import annotations
+
+import argparse
+
+from sparrow_cli.errors import CliError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `sparrow cost`."""
+    p = subparsers.add_parser("cost", help="predict rollout eFLOPs and speedup of a schedule (paper's cost model)")
+    p.add_argument("--model", required=True, help="qwen3-1.7b|qwen3-4b|qwen3-8b|qwen3-14b, or a HF config.json")
+    p.add_argument("--schedule", required=True, help="a schedule preset name or a schedule JSON file")
+    p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--gen-len", type=int, default=32768, help="generated tokens per sample (default 32768)")
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt, N (default 8)")
+    p.add_argument("--hardware", default="h200", help="h200|h100|cpu (cpu measures this machine; default h200)")
+    p.add_argument(
+        "--price-dense-layers",
+        action="store_true",
+        help="price the schedule's dense layers as dense (the paper prices every layer as sparse)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the prediction."""
+    from sparrow.cost import predict
+    from sparrow.hardware import HardwareError, get_hardware
+    from sparrow.models import ModelSpecError, resolve_model
+    from sparrow.presets import resolve_schedule
+    from sparrow.schedule import ScheduleError
+
+    for flag, value, least in (
+        ("--prompt-len", args.prompt_len, 0),
+        ("--gen-len", args.gen_len, 1),
+        ("--samples", args.samples, 1),
+    ):
+        if value < least:
+            raise CliError(f"{flag} must be >= {least}, got {value}")
+    try:
+        model = resolve_model(args.model)
+        schedule = resolve_schedule(args.schedule)
+        hardware = get_hardware(args.hardware)
+        result = predict(
+            model, schedule, hardware, args.prompt_len, args.gen_len, args.samples, args.price_dense_layers
+        )
+    except (ModelSpecError, ScheduleError, HardwareError) as exc:
+        raise CliError(str(exc)) from None
+
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json(
+            {
+                "model": model.name,
+                "params": model.params,
+                "kv_dim": model.kv_dim,
+                "gqa_ratio": model.gqa_ratio,
+                "schedule": schedule.name,
+                "schedule_version": schedule.version,
+                "hardware": hardware.name,
+                "flops_per_byte": hardware.flops_per_byte,
+                "bytes_per_element": hardware.bytes_per_element,
+                "prompt_len": args.prompt_len,
+                "gen_len": args.gen_len,
+                "samples": args.samples,
+                "dense_layers_priced": result.dense_layers_priced,
+                "dense": {"compute": result.dense.compute, "memory": result.dense.memory, "total": result.dense.total},
+                "sparse": {
+                    "compute": result.sparse.compute,
+                    "memory": result.sparse.memory,
+                    "total": result.sparse.total,
+                },
+                "mean_kept_tokens": result.mean_kept_tokens,
+                "speedup": result.speedup,
+            }
+        )
+        return 0
+    from sparrow_cli.output import table
+
+    print(
+        f"model {model.name} (P {model.params / 1e9:.2f}B, D {model.kv_dim}, r {model.gqa_ratio}), "
+        f"schedule {schedule.name or args.schedule} v{schedule.version}, "
+        f"hardware {hardware.name} (I {hardware.flops_per_byte:.1f} FLOP/byte, {hardware.bytes_per_element} B/element)"
+    )
+    print(
+        f"prompt {args.prompt_len}, generated {args.gen_len}, samples {args.samples}; "
+        f"mean kept KV {result.mean_kept_tokens:.0f} tokens"
+    )
+    rows = [
+        [side, f"{c.compute:.3e}", f"{c.memory:.3e}", f"{c.total:.3e}"]
+        for side, c in (("dense", result.dense), ("sparse", result.sparse))
+    ]
+    print(table(rows, ["", "compute eFLOPs", "memory eFLOPs", "total eFLOPs"]))
+    print(f"predicted speedup {result.speedup:.2f}x")
+    return 0

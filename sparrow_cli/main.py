@@ -1,0 +1,51 @@
+"""The `sparrow` command: parses the command line and hands off to one command module, imported lazily.
+
+Each command module exposes `add_parser(subparsers)` and `run(args) -> int`. Errors a user can
+cause raise `CliError`; they are printed as one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from sparrow_cli.errors import CliError
+
+# command name -> module. The heavy imports of a command happen inside its `run`;
+# building the parser only calls each `add_parser`, so `sparrow --help` stays instant.
+COMMANDS: dict[str, str] = {
+    "schedule": "sparrow_cli.schedule_cmd",
+    "cost": "sparrow_cli.cost_cmd",
+    "bench": "sparrow_cli.bench_cmd",
+    "selfcheck": "sparrow_cli.selfcheck_cmd",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparrow",
+        description="Sparrow Cluster: block-sparse rollouts for long-context RL, kept stable by tail acceptance.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for module in COMMANDS.values():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except CliError as exc:
+        print(f"sparrow {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sparrow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""`sparrow bench attention` and `sparrow selfcheck` end to end, on small shapes. The figures are
+checked for consistency, never for speed (timed assertions make CI flaky)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL = ["--context", "1024", "--budget", "256", "--batch", "2", "--kv-heads", "2", "--q-heads", "4"]
+
+
+def sparrow(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "sparrow_cli.main", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_bench_attention_json(backend):
+    r = sparrow("bench", "attention", *SMALL, "--head-dim", "64", "--iters", "2", "--backend", backend, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["backend"] == backend
+    assert out["dense_ms"] == min(out["dense_sdpa_ms"], out["dense_paged_ms"])
+    assert out["speedup"] == pytest.approx(out["dense_ms"] / out["sparse_ms"], rel=1e-2)
+    # KV bytes: dense 2 x 1024 x 64 x 4 per head; sparse 2 x 256 x 64 x 4 plus 64 centroids of 64 floats.
+    assert out["kv_bytes_dense"] == 4 * 2 * 1024 * 64 * 4
+    assert out["kv_bytes_sparse"] == 4 * (2 * 256 * 64 * 4 + 64 * 64 * 4)
+    assert out["bound"] == pytest.approx(out["kv_bytes_dense"] / out["kv_bytes_sparse"], rel=1e-3)
+    assert out["max_abs_diff_full_budget"] < 1e-5
+
+
+def test_bench_attention_text():
+    r = sparrow("bench", "attention", *SMALL, "--iters", "1")
+    assert r.returncode == 0, r.stderr
+    assert "speedup" in r.stdout and "KV-bytes bound" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "100"], "multiple of 16"),
+        (["--context", "0"], "--context must be positive"),
+        (["--q-heads", "3"], "cannot share"),
+    ],
+)
+def test_bench_attention_bad_input(args, message):
+    r = sparrow("bench", "attention", *SMALL, *args)
+    assert r.returncode == 2
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_selfcheck_json():
+    r = sparrow("selfcheck", "--context", "2048", "--budget", "256", "--batch", "2", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] is True
+    assert out["schedule"]["name"] == "qwen3-1.7b-0.86" and len(out["schedule"]["budgets"]) == 20
+    assert out["cost"]["speedup"] > 1
+    assert out["bench"]["context"] == 2048

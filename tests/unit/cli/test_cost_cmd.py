@@ -1,0 +1,76 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+BASE = ["cost", "--model", "qwen3-4b", "--schedule", "qwen3-4b-0.86", "--prompt-len", "512", "--gen-len", "32768"]
+
+
+def sparrow(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "sparrow_cli.main", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cost_text():
+    r = sparrow(*BASE, "--samples", "8", "--hardware", "h200")
+    assert r.returncode == 0, r.stderr
+    assert "dense" in r.stdout and "sparse" in r.stdout
+    assert "predicted speedup" in r.stdout and "I 206.0 FLOP/byte" in r.stdout
+
+
+def test_cost_json_matches_the_core():
+    from sparrow.cost import predict
+    from sparrow.hardware import get_hardware
+    from sparrow.models import get_model
+    from sparrow.presets import get_preset
+
+    data = json.loads(sparrow(*BASE, "--json").stdout)
+    expected = predict(get_model("qwen3-4b"), get_preset("qwen3-4b-0.86"), get_hardware("h200"), 512, 32768, 8)
+    assert data["speedup"] == pytest.approx(expected.speedup)
+    assert data["dense"]["total"] == pytest.approx(data["dense"]["compute"] + data["dense"]["memory"])
+    assert data["samples"] == 8 and data["hardware"] == "h200" and data["dense_layers_priced"] == 0
+
+
+def test_cost_with_a_schedule_file(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"budgets": [64000]}))
+    data = json.loads(sparrow(*BASE[:3], "--schedule", path, "--json").stdout)
+    assert data["speedup"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    ("swap", "fragment"),
+    [
+        (("--model", "qwen3-5b"), "unknown model 'qwen3-5b'"),
+        (("--schedule", "qwen3-4b-0.99"), "unknown schedule preset"),
+        (("--hardware", "tpu"), "unknown hardware 'tpu'"),
+        (("--gen-len", "0"), "--gen-len must be >= 1"),
+    ],
+)
+def test_cost_bad_input(swap, fragment):
+    args = list(BASE)
+    flag, value = swap
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    r = sparrow(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], r.stderr
+
+
+def test_cost_with_a_misaligned_schedule_file(tmp_path):
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"budgets": [500]}))
+    r = sparrow(*BASE[:3], "--schedule", path)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "not a multiple of the page size" in r.stderr
