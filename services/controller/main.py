@@ -1,0 +1,75 @@
+"""Starts the controller: resolves its pieces from the config, logs the config, serves until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+from services.controller.config import ControllerConfig
+from services.controller.loop import ControlLoop
+
+log = logging.getLogger("sparrow.controller")
+
+
+class SetupError(ValueError):
+    """The config names something that does not exist (a preset, a model, hardware); one line."""
+
+
+def build_loop(config: ControllerConfig) -> ControlLoop:
+    """The control loop with its Redis publisher, Prometheus source, initial schedule and cost model."""
+    import redis.asyncio as aioredis
+
+    from services.controller.prometheus_source import PrometheusSource
+    from services.controller.publisher import SchedulePublisher
+    from sparrow.cost import predict
+    from sparrow.hardware import HardwareError, get_hardware
+    from sparrow.models import ModelSpecError, resolve_model
+    from sparrow.presets import resolve_schedule
+    from sparrow.schedule import ScheduleError
+
+    cost = config.cost
+    try:
+        initial = resolve_schedule(config.initial_schedule)
+        model = resolve_model(cost.model)
+        hardware = get_hardware(cost.hardware)  # "cpu" measures once, here, not at every publish
+    except (ScheduleError, ModelSpecError, HardwareError) as exc:
+        raise SetupError(str(exc)) from None
+    if config.retune.budget_quantum % initial.page_size:
+        raise SetupError(f"retune.budget_quantum is not a multiple of the schedule's page size {initial.page_size}")
+
+    def speedup_of(schedule):
+        return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples).speedup
+
+    p = config.prometheus
+    source = PrometheusSource(p.url, p.window_s, p.timeout_s, p.max_age_s, probes=config.probe.enabled)
+    client = aioredis.from_url(config.redis.url, socket_timeout=5, socket_connect_timeout=5)
+    publisher = SchedulePublisher(client, config.redis.history_limit)
+    return ControlLoop(config, publisher, source, initial, speedup_of)
+
+
+def serve(config: ControllerConfig) -> None:
+    """Run the admin API and the control loop until SIGTERM or SIGINT, then shut down cleanly."""
+    import uvicorn
+
+    from services.controller.api import create_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per PromQL query drowns the decisions
+    log.info("config %s", config.dump())
+    loop = build_loop(config)
+
+    async def close() -> None:
+        await loop.source.aclose()
+        await loop.publisher.client.aclose()
+        log.info("controller stopped (schedule v%s)", loop.schedule.version if loop.schedule else None)
+
+    app = create_app(loop, on_shutdown=close)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.api.host, port=config.api.port, log_level="warning", lifespan="on")
+    )
+    # uvicorn re-raises the signal it stopped on; for SIGTERM a no-op handler turns that into a clean exit 0.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        log.info("admin API on http://%s:%d (docs at /docs)", config.api.host, config.api.port)
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)

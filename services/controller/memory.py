@@ -1,0 +1,53 @@
+"""What the controller remembers of one bin: a running mean of p5 per budget it has observed.
+
+Readings at one budget are averaged (the newest keeps at least 1/`average_readings` of the weight),
+which smooths the noise of a per-step p5. The policy and the adapter drift, so the memory follows:
+when the current budget's mean moves, every other budget's point moves by as much (the curve is
+assumed to shift as a whole; the shifts telescope, so noise does not pile up), and a reading that
+breaks monotonicity against the fit by more than `reset_delta` wipes what came before it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from services.controller.curve import Curve, Point
+
+MAX_POINTS = 64  # distinct budgets per bin; the least recently observed go first
+
+
+class BinMemory:
+    """Points (budget -> mean p5, weight, last time) of one bin and the curve fitted through them."""
+
+    def __init__(self, average_readings: int, reset_delta: float, memory_s: float) -> None:
+        self.average_readings = average_readings
+        self.reset_delta = reset_delta
+        self.memory_s = memory_s
+        self.points: list[Point] = []
+
+    def add(self, point: Point, now: float, prior_slope: float, min_slope: float) -> bool:
+        """Take one reading; returns True when it revealed that the curve moved (older points dropped)."""
+        kept = [p for p in self.points if now - p.time <= self.memory_s]
+        reset = False
+        if kept:
+            fitted = Curve.from_points(kept, prior_slope, min_slope).points
+            x, d = math.log2(point.budget), self.reset_delta
+            if any((px <= x and py > point.p5 + d) or (px >= x and py < point.p5 - d) for px, py in fitted):
+                kept, reset = [], True
+        same = next((p for p in kept if p.budget == point.budget), None)
+        if same is not None:
+            old_weight = min(same.weight, (self.average_readings - 1) * point.weight)
+            mean = (same.p5 * old_weight + point.p5 * point.weight) / (old_weight + point.weight)
+            shift = mean - same.p5
+            kept = [Point(p.budget, p.p5 + shift, p.weight, p.time) for p in kept if p is not same]
+            point = Point(point.budget, mean, old_weight + point.weight, point.time)
+        self.points = sorted(kept + [point], key=lambda p: p.time)[-MAX_POINTS:]
+        return reset
+
+    def mean(self, budget: int) -> float | None:
+        """The running mean of p5 at `budget` (None when never observed)."""
+        return next((p.p5 for p in self.points if p.budget == budget), None)
+
+    def curve(self, prior_slope: float, min_slope: float) -> Curve:
+        """The isotonic fit through the points."""
+        return Curve.from_points(self.points, prior_slope, min_slope)

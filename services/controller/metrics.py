@@ -1,0 +1,61 @@
+"""The controller's own Prometheus metrics, on a registry of its own (served on /metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from sparrow import metrics_contract as mc
+
+DECISION_REASONS = ("raise", "lower", "refine", "repair", "override", "initial")
+TICK_OUTCOMES = ("ok", "blind", "paused", "store_error", "rejected", "conflict")
+
+
+class ControllerMetrics:
+    """Budgets, what was read, decisions and the loop's health."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.budget = Gauge(
+            "sparrow_controller_budget_tokens", "Scheduled KV budget per length bin.", [mc.BIN_LABEL], registry=r
+        )
+        self.alpha_p5 = Gauge(
+            "sparrow_controller_alpha_p5",
+            "p5 of alpha per bin that the controller last acted on (its running estimate).",
+            [mc.BIN_LABEL],
+            registry=r,
+        )
+        self.target = Gauge("sparrow_controller_alpha_target", "The p5 every bin must hold: tau + margin.", registry=r)
+        self.speedup = Gauge(
+            "sparrow_controller_predicted_speedup", "Cost model's rollout speedup of the current schedule.", registry=r
+        )
+        self.version = Gauge("sparrow_controller_schedule_version", "Version of the current schedule.", registry=r)
+        self.blind = Gauge(
+            "sparrow_controller_blind", "1 while no fresh trainer metrics are readable (schedule held).", registry=r
+        )
+        self.paused = Gauge("sparrow_controller_paused", "1 while retuning is paused.", registry=r)
+        self.decisions = Counter(
+            "sparrow_controller_decisions", "Budget changes per bin, by reason.", ["reason"], registry=r
+        )
+        self.ticks = Counter("sparrow_controller_ticks", "Control ticks by outcome.", ["outcome"], registry=r)
+        for reason in DECISION_REASONS:
+            self.decisions.labels(reason=reason)
+        for outcome in TICK_OUTCOMES:
+            self.ticks.labels(outcome=outcome)
+
+    def show_schedule(self, budgets: tuple[int, ...], version: int, speedup: float | None) -> None:
+        """Publish the current schedule's budgets, version and predicted speedup."""
+        for i, b in enumerate(budgets):
+            self.budget.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(b)
+        self.version.set(version)
+        if speedup is not None:
+            self.speedup.set(speedup)
+
+    def show_estimates(self, estimates: dict[int, float]) -> None:
+        """The per-bin p5 estimates of the last tick (bins without one keep their last value)."""
+        for i, value in estimates.items():
+            self.alpha_p5.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(value)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric here."""
+        return generate_latest(self.registry)

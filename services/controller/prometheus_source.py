@@ -1,0 +1,105 @@
+"""Reads the trainer's tail statistic per bin from a Prometheus server, over its HTTP API with PromQL."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+
+from services.controller.readings import BinReading, Snapshot
+from sparrow import metrics_contract as mc
+
+
+class PrometheusUnavailable(RuntimeError):
+    """Prometheus could not be asked or did not answer properly; the message says how."""
+
+
+def queries(window_s: float, probes: bool) -> dict[str, str]:
+    """The PromQL the controller runs, by purpose; every per-bin query aggregates `by (bin)`."""
+    w = f"{max(1, round(window_s))}s"
+    q = {
+        "p5_exact": f"min by ({mc.BIN_LABEL}) ({mc.ALPHA_P5_GAUGE})",
+        "tokens_exact": f"sum by ({mc.BIN_LABEL}) ({mc.ALPHA_TOKENS_GAUGE})",
+        "p5_histogram": (
+            f"histogram_quantile({mc.TAIL_QUANTILE}, "
+            f"sum by (le, {mc.BIN_LABEL}) (rate({mc.ALPHA_HISTOGRAM}_bucket[{w}])))"
+        ),
+        "tokens_window": f"sum by ({mc.BIN_LABEL}) (increase({mc.ALPHA_HISTOGRAM}_count[{w}]))",
+        # Seconds since each bin's newest sample; a target that stopped answering is stale.
+        "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({mc.ALPHA_TOKENS_GAUGE}))",
+        "version": f"min({mc.SCHEDULE_VERSION_GAUGE})",
+    }
+    if probes:
+        q["probe_p5"] = f"min by ({mc.BIN_LABEL}) ({mc.PROBE_P5_GAUGE})"
+        q["probe_tokens"] = f"sum by ({mc.BIN_LABEL}) ({mc.PROBE_TOKENS_GAUGE})"
+        q["probe_budget"] = f"max by ({mc.BIN_LABEL}) ({mc.PROBE_BUDGET_GAUGE})"
+    return q
+
+
+class PrometheusSource:
+    """One `read()` per control tick: all queries at one evaluation time, readings per bin."""
+
+    def __init__(self, url: str, window_s: float, timeout_s: float, max_age_s: float, probes: bool = False) -> None:
+        self.url = url.rstrip("/")
+        self.window_s = window_s
+        self.max_age_s = max_age_s
+        self.queries = queries(window_s, probes)
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        """Close the HTTP client."""
+        await self._client.aclose()
+
+    async def query(self, promql: str, at: float | None = None) -> list[tuple[dict[str, str], float]]:
+        """An instant query: (labels, value) per series; raises PrometheusUnavailable on any failure."""
+        params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
+        try:
+            resp = await self._client.get(f"{self.url}/api/v1/query", params=params)
+        except httpx.HTTPError as exc:
+            raise PrometheusUnavailable(f"cannot reach Prometheus at {self.url}: {exc!r}") from None
+        try:
+            body = resp.json()
+        except ValueError:
+            raise PrometheusUnavailable(f"Prometheus answered HTTP {resp.status_code} without JSON") from None
+        if resp.status_code != 200 or body.get("status") != "success":
+            raise PrometheusUnavailable(f"Prometheus rejected {promql!r}: {body.get('error', resp.status_code)}")
+        data = body.get("data", {})
+        if data.get("resultType") != "vector":
+            raise PrometheusUnavailable(f"expected an instant vector for {promql!r}, got {data.get('resultType')}")
+        return [(item["metric"], float(item["value"][1])) for item in data.get("result", [])]
+
+    async def read(self, now: float) -> Snapshot:
+        """The trainer's readings per bin at time `now`; stale bins and NaN values are left out."""
+        names = list(self.queries)
+        results = await asyncio.gather(*(self.query(self.queries[n], at=now) for n in names))
+        by_name = dict(zip(names, results, strict=True))
+        per_bin: dict[str, dict[int, float]] = {name: _by_bin(series) for name, series in by_name.items()}
+        version_series = by_name["version"]
+        version = int(version_series[0][1]) if version_series and math.isfinite(version_series[0][1]) else None
+        bins: dict[int, BinReading] = {}
+        for index, age in per_bin["age"].items():
+            if age > self.max_age_s:
+                continue
+            probe_budget = per_bin.get("probe_budget", {}).get(index)
+            bins[index] = BinReading(
+                p5_exact=per_bin["p5_exact"].get(index),
+                tokens_exact=per_bin["tokens_exact"].get(index, 0.0),
+                p5_histogram=per_bin["p5_histogram"].get(index),
+                tokens_window=per_bin["tokens_window"].get(index, 0.0),
+                probe_budget=int(probe_budget) if probe_budget else None,
+                probe_p5=per_bin.get("probe_p5", {}).get(index),
+                probe_tokens=per_bin.get("probe_tokens", {}).get(index, 0.0),
+            )
+        return Snapshot(trainer_version=version, bins=bins)
+
+
+def _by_bin(series: list[tuple[dict[str, str], float]]) -> dict[int, float]:
+    """Values keyed by the integer `bin` label; NaN (no data) and unlabelled series are dropped."""
+    out = {}
+    for labels, value in series:
+        label = labels.get(mc.BIN_LABEL)
+        if label is None or not label.isdigit() or not math.isfinite(value):
+            continue
+        out[int(label)] = value
+    return out

@@ -1,0 +1,69 @@
+"""The values passed between the Prometheus source, the decision logic and the status page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BinReading:
+    """What Prometheus showed for one bin (None: absent or stale)."""
+
+    p5_exact: float | None = None
+    tokens_exact: float = 0.0
+    p5_histogram: float | None = None
+    tokens_window: float = 0.0
+    probe_budget: int | None = None
+    probe_p5: float | None = None
+    probe_tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One read of the trainer's metrics: the oldest schedule version behind them, and readings per bin."""
+
+    trainer_version: int | None
+    bins: dict[int, BinReading]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One bin's budget change and why."""
+
+    bin: int
+    old: int
+    new: int
+    reason: str  # raise | lower | refine | repair
+    p5: float | None
+    detail: str
+
+
+@dataclass
+class BinStatus:
+    """A bin as the last tick saw it."""
+
+    bin: int
+    budget: int
+    state: str = "no_data"  # no_data | waiting | few_tokens | fresh | at_max
+    p5: float | None = None  # the reading that decided (exact or histogram)
+    estimate: float | None = None  # running mean of readings at this budget
+    p5_exact: float | None = None
+    p5_histogram: float | None = None
+    tokens: float = 0.0
+    source: str | None = None
+    since_version: int = 0
+    predicted_cheapest: int | None = None
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """The outcome of one tick: budgets to publish (equal to the current ones when nothing changes)."""
+
+    budgets: tuple[int, ...]
+    decisions: list[Decision]
+    bins: list[BinStatus]
+
+    @property
+    def changed(self) -> bool:
+        """True when any budget moved."""
+        return bool(self.decisions)

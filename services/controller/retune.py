@@ -1,0 +1,245 @@
+"""The controller's decisions: pure logic, no I/O, driven by readings and the clock it is given.
+
+Each tick, for every bin whose reading was produced under its current budget (fresh) and covers
+`min_tokens` tokens, the reading joins the bin's memory and the bin's estimate is the running mean
+at its budget. Then:
+- raise when the estimate is below target (tau + margin), or at once when a single reading is below
+  tau: to the cheapest budget the fitted curve predicts to hold the target (at least one grid
+  step more, at most `max_step_ratio` times);
+- lower after the estimate stayed at or above target for `lower_hold_s` (and `lower_min_readings`
+  readings): to the predicted cheapest budget when a lower budget was seen below target +
+  `refine_margin` (the target is bracketed: an interpolation, and never onto or under that budget),
+  or to a lower budget a probe saw holding; without such evidence only when the estimate stayed
+  above target + hysteresis (an extrapolation). "lower" or "refine" says which side of
+  target + hysteresis the estimate was on;
+- repair: later bins are raised to keep the schedule non-decreasing. Budgets the controller sets are
+  on the budget grid (see grid.py) within [min_budget, max_budget].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.controller.config import RetuneConfig
+from services.controller.curve import Point
+from services.controller.memory import BinMemory
+from services.controller.readings import BinReading, BinStatus, Decision, Proposal, Snapshot
+from sparrow.schedule import Schedule
+
+__all__ = ["BinReading", "BinStatus", "Decision", "Proposal", "Retuner", "Snapshot"]
+
+
+@dataclass
+class _Bin:
+    budget: int
+    since_version: int  # the schedule version that set this budget: older data was made under another
+    memory: BinMemory
+    fresh_since: float | None = None
+    ok_since: float | None = None
+    ok_readings: int = 0
+    high_since: float | None = None
+    high_readings: int = 0
+    last_raw: tuple | None = None
+    last_probe: tuple | None = None
+
+
+class Retuner:
+    """Per-bin memories, timers and freshness, and the rules above."""
+
+    def __init__(self, config: RetuneConfig, window_s: float) -> None:
+        self.config = config
+        self.window_s = window_s
+        self.grid = config.grid
+        self._bins: list[_Bin] = []
+        self._shape: tuple[int, int, int] | None = None
+
+    def sync(self, schedule: Schedule) -> None:
+        """Follow `schedule` (ours, an override or an external change): a bin whose budget moved starts afresh."""
+        if self.config.budget_quantum % schedule.page_size:
+            raise ValueError(
+                f"budget_quantum {self.config.budget_quantum} is not a multiple of page size {schedule.page_size}"
+            )
+        shape = (schedule.num_bins, schedule.bin_width, schedule.page_size)
+        if shape != self._shape:  # other bins: nothing learned applies
+            self._shape = shape
+            self._bins = [_Bin(b, schedule.version, self._memory()) for b in schedule.budgets]
+            return
+        for state, budget in zip(self._bins, schedule.budgets, strict=True):
+            if budget != state.budget:
+                state.budget, state.since_version = budget, schedule.version
+                state.fresh_since = state.ok_since = state.high_since = state.last_raw = None
+                state.ok_readings = state.high_readings = 0
+
+    def _memory(self) -> BinMemory:
+        c = self.config
+        return BinMemory(c.average_readings, c.curve_reset_delta, c.curve_memory_s)
+
+    def points(self, index: int) -> list[Point]:
+        """The observations behind bin `index`'s curve."""
+        return list(self._bins[index].memory.points)
+
+    def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
+        """Observe `snapshot` (None: blind) at time `now` and propose the next budgets for `schedule`."""
+        self.sync(schedule)
+        statuses, desired, reasons = [], list(schedule.budgets), {}
+        for i, state in enumerate(self._bins):
+            status = BinStatus(bin=i, budget=state.budget, since_version=state.since_version)
+            statuses.append(status)
+            reading = snapshot.bins.get(i) if snapshot is not None else None
+            if reading is None:
+                continue
+            self._observe_probe(state, reading, now)
+            p5 = self._choose(state, status, reading, snapshot.trainer_version, now)
+            if p5 is None:
+                continue
+            status.estimate = estimate = self._observe(state, p5, status.tokens, now)
+            move = self._decide(state, status, p5, estimate, now)
+            if move is not None:
+                desired[i], reasons[i] = move
+        return _finish(schedule, desired, reasons, statuses)
+
+    def probe_budgets(self, schedule: Schedule, ratio: float) -> dict[int, int]:
+        """Budgets to probe, for bins that hold the target with no observation below target under their budget.
+
+        A probe goes to the predicted cheapest budget, but at least `ratio` x below the lowest budget
+        seen holding and at most `max_step_ratio` x below the current one: it risks only a share of
+        sequences, so it may try what the bin itself would not.
+        """
+        c, out = self.config, {}
+        for i, (state, budget) in enumerate(zip(self._bins, schedule.budgets, strict=True)):
+            if state.ok_since is None or not state.memory.points:
+                continue
+            curve = state.memory.curve(c.prior_slope, c.min_slope)
+            if curve.has_point_below(budget, c.target + c.refine_margin):
+                continue
+            cheapest, _ = curve.cheapest(c.target)
+            lowest = min(curve.lowest_holding(c.target) or budget, budget)
+            probe = max(self.grid.up(min(cheapest, lowest * ratio)), self.grid.up(budget / c.max_step_ratio))
+            probe = max(probe, c.min_budget)
+            if probe < budget:
+                out[i] = probe
+        return out
+
+    def _choose(self, state: _Bin, status: BinStatus, r: BinReading, version: int | None, now: float) -> float | None:
+        c = self.config
+        status.p5_exact, status.p5_histogram = r.p5_exact, r.p5_histogram
+        if r.p5_exact is None and r.p5_histogram is None:
+            return None
+        if version is None or version < state.since_version:
+            status.state, state.fresh_since = "waiting", None
+            return None
+        if state.fresh_since is None:
+            state.fresh_since = now
+        candidates = {}
+        if r.p5_exact is not None and r.tokens_exact >= c.min_tokens and c.p5_source != "histogram":
+            candidates["exact"] = (r.p5_exact, r.tokens_exact)
+        # rate(...[W]) mixes in tokens of older budgets until W has passed since the data turned fresh.
+        window_fresh = now - state.fresh_since >= self.window_s
+        if r.p5_histogram is not None and r.tokens_window >= c.min_tokens and window_fresh:
+            candidates["histogram"] = (r.p5_histogram, r.tokens_window)
+        if not candidates:
+            status.state = "few_tokens"
+            return None
+        if c.p5_source == "min":
+            source = min(candidates, key=lambda k: candidates[k][0])
+        else:
+            source = "exact" if "exact" in candidates else "histogram"
+        status.state, status.source = "fresh", source
+        status.p5, status.tokens = candidates[source]
+        return status.p5
+
+    def _observe(self, state: _Bin, p5: float, tokens: float, now: float) -> float:
+        c = self.config
+        if (p5, tokens) != state.last_raw:  # else: the same trainer step read again, nothing new
+            state.last_raw = (p5, tokens)
+            if state.memory.add(Point(state.budget, p5, tokens, now), now, c.prior_slope, c.min_slope):
+                state.ok_since = state.high_since = None
+                state.ok_readings = state.high_readings = 0
+            estimate = state.memory.mean(state.budget)
+            state.ok_since, state.ok_readings = _hold(state.ok_since, state.ok_readings, estimate >= c.target, now)
+            high = estimate > c.target + c.hysteresis
+            state.high_since, state.high_readings = _hold(state.high_since, state.high_readings, high, now)
+        return state.memory.mean(state.budget)
+
+    def _observe_probe(self, state: _Bin, r: BinReading, now: float) -> None:
+        c = self.config
+        if r.probe_budget is None or r.probe_p5 is None or r.probe_tokens < c.min_tokens:
+            return
+        raw = (r.probe_budget, r.probe_p5, r.probe_tokens)
+        if raw != state.last_probe:
+            state.last_probe = raw
+            state.memory.add(Point(*raw, now), now, c.prior_slope, c.min_slope)
+
+    def _decide(self, state: _Bin, status: BinStatus, p5: float, estimate: float, now: float) -> tuple[int, str] | None:
+        c, b = self.config, state.budget
+        curve = state.memory.curve(c.prior_slope, c.min_slope)
+        cheapest, _ = curve.cheapest(c.target)
+        status.predicted_cheapest = self.grid.up(cheapest)
+        if estimate < c.target or p5 < c.tau:
+            below = min(estimate, p5)
+            if cheapest <= b:  # the pooled fit disagrees with this budget's readings: trust the readings
+                cheapest = b * 2 ** ((c.target - below) / c.prior_slope)
+            new = min(max(cheapest, self.grid.next_above(b)), b * c.max_step_ratio, c.max_budget)
+            new = min(self.grid.up(new), c.max_budget)
+            if new <= b:
+                status.state = "at_max"
+                return None
+            return new, f"raise: p5 {below:.4f} < target {c.target:.4f}"
+        held = _held(state.ok_since, state.ok_readings, now, c)
+        # A budget seen failing, or holding by less than refine_margin, bounds any lowering from below:
+        # noise there would make the bin hop. With one, the cheapest budget is an interpolation.
+        marginal = curve.highest_below(b, c.target + c.refine_margin)
+        observed = curve.lowest_holding(c.target + c.refine_margin)
+        if held and marginal is not None:
+            how = f"fit {cheapest:.0f}, kept above {marginal} (seen under target + refine_margin)"
+        elif held and observed is not None and observed < b:
+            cheapest, how = observed, f"{observed} seen holding"
+        elif _held(state.high_since, state.high_readings, now, c):
+            how = f"fit {cheapest:.0f} (extrapolated)"
+        else:
+            return None
+        new = max(self.grid.up(cheapest), self.grid.up(b / c.max_step_ratio), c.min_budget)
+        if marginal is not None:
+            new = max(new, self.grid.next_above(marginal))
+        if new >= b:
+            return None
+        reason = "lower" if estimate > c.target + c.hysteresis else "refine"
+        return new, f"{reason}: p5 {estimate:.4f} >= target {c.target:.4f}, cheapest {how}"
+
+
+def _hold(since: float | None, count: int, condition: bool, now: float) -> tuple[float | None, int]:
+    """Advance a 'condition held since' timer by one reading."""
+    if not condition:
+        return None, 0
+    return (now if since is None else since), count + 1
+
+
+def _held(since: float | None, count: int, now: float, c: RetuneConfig) -> bool:
+    return since is not None and now - since >= c.lower_hold_s and count >= c.lower_min_readings
+
+
+def _finish(schedule: Schedule, desired: list[int], reasons: dict[int, str], statuses: list[BinStatus]) -> Proposal:
+    """Repair `desired` into a non-decreasing schedule and name every change's reason."""
+    final: list[int] = []
+    for want in desired:
+        final.append(max(want, final[-1]) if final else want)
+    decisions = []
+    for i, (old, new) in enumerate(zip(schedule.budgets, final, strict=True)):
+        if new == old:
+            continue
+        detail = reasons.get(i, "")
+        reason = detail.split(":")[0] if detail else "repair"
+        if detail and (new > old) != (reason == "raise"):
+            reason = "repair"  # an earlier bin's raise outweighed this bin's own lowering
+        if reason == "repair":
+            detail = f"repair: kept non-decreasing after bin {_source_bin(final, i)}"
+        elif new != desired[i]:
+            detail += f"; kept at {new} >= bin {_source_bin(final, i)}"
+        decisions.append(Decision(i, old, new, reason, statuses[i].p5, detail))
+    return Proposal(tuple(final), decisions, statuses)
+
+
+def _source_bin(budgets: list[int], index: int) -> int:
+    """The first bin holding `budgets[index]`: the one a repaired bin was raised to match."""
+    value = budgets[index]
+    return next(j for j in range(index + 1) if budgets[j] == value)

@@ -1,0 +1,197 @@
+"""The decision rules, driven by synthetic readings and a fake clock: no servers."""
+
+import pytest
+
+from services.controller.config import RetuneConfig
+from services.controller.retune import BinReading, Retuner, Snapshot
+from sparrow.schedule import Schedule
+
+
+def power(bstar, target=0.88):
+    """A p5 curve that reaches `target` at budget `bstar`."""
+    return lambda b: max(0.3, 1 - (1 - target) * (bstar / b) ** 0.5)
+
+
+def optimal(curves, config):
+    """The cheapest non-decreasing schedule on the controller's grid holding the target in every bin."""
+    out = []
+    for curve in curves:
+        b = config.min_budget
+        while curve(b) < config.target and b < config.max_budget:
+            b = config.grid.next_above(b)
+        out.append(max(b, out[-1]) if out else b)
+    return out
+
+
+def steps_off(budgets, want, config):
+    """Grid steps between each budget and its optimum."""
+    return [config.grid.index(b) - config.grid.index(w) for b, w in zip(budgets, want, strict=True)]
+
+
+def reading(p5, tokens=5000, **kw):
+    return BinReading(p5_exact=p5, tokens_exact=tokens, **kw)
+
+
+class Loop:
+    """Retuner + a trainer that reports curves[i](budget) for fresh data + a clock, one tick per second."""
+
+    def __init__(self, config, budgets, probes=False):
+        self.r = Retuner(config, window_s=5)
+        self.schedule = Schedule(budgets=tuple(budgets))
+        self.probes, self.probe_budgets, self.now, self.publishes = probes, {}, 0.0, 0
+        self.tick_no = 0
+
+    def tick(self, curves):
+        self.now += 1
+        self.tick_no += 1
+        bins = {}
+        for i, b in enumerate(self.schedule.budgets):
+            extra = {}
+            if i in self.probe_budgets:
+                pb = self.probe_budgets[i]
+                extra = {"probe_budget": pb, "probe_p5": curves[i](pb), "probe_tokens": 3000 + self.tick_no}
+            bins[i] = reading(curves[i](b), 5000 + self.tick_no, **extra)
+        proposal = self.r.step(self.schedule, Snapshot(self.schedule.version, bins), self.now)
+        if proposal.changed:
+            self.schedule = self.schedule.with_budgets(proposal.budgets)
+            self.publishes += 1
+        self.probe_budgets = self.r.probe_budgets(self.schedule, 0.75) if self.probes else {}
+        return proposal
+
+    def run(self, curves, ticks):
+        for _ in range(ticks):
+            self.tick(curves)
+        return list(self.schedule.budgets)
+
+
+BSTARS = [300 + 250 * i + (600 if i == 3 else 0) for i in range(12)]
+PRESET_LIKE = [512, 1024, 1536, 1536, 2048, 2560, 3072, 3584, 3584, 4096, 4096, 4096]
+
+
+@pytest.mark.parametrize(
+    ("probes", "hysteresis"), [(True, 0.02), (False, 0.004)], ids=["probes", "no-probes-small-hysteresis"]
+)
+@pytest.mark.parametrize("start", ["preset", "too-aggressive", "too-lenient"])
+def test_converges_within_one_step_of_the_cheapest_schedule(probes, hysteresis, start):
+    config = RetuneConfig(lower_hold_s=1, hysteresis=hysteresis)
+    curves = [power(b) for b in BSTARS]
+    budgets = {"preset": PRESET_LIKE, "too-aggressive": [512] * 12, "too-lenient": [8192] * 12}[start]
+    loop = Loop(config, budgets, probes=probes)
+    final = loop.run(curves, 40)
+    want = optimal(curves, config)
+    assert all(abs(d) <= 1 for d in steps_off(final, want, config)), (final, want)
+    assert loop.publishes <= 12, f"{loop.publishes} publishes: creeping rather than jumping"
+    # After the drift, the same again from where it stands.
+    moved = [power(b * (1.6 if i % 2 else 0.7)) for i, b in enumerate(BSTARS)]
+    final = loop.run(moved, 40)
+    want = optimal(moved, config)
+    assert all(abs(d) <= 1 for d in steps_off(final, want, config)), (final, want)
+
+
+def test_a_bin_far_too_low_reaches_target_in_few_raises():
+    config = RetuneConfig(lower_hold_s=1)
+    loop = Loop(config, [512])
+    curve = power(6000)
+    ticks = 0
+    while curve(loop.schedule.budgets[0]) < config.target and ticks < 30:
+        loop.tick([curve])
+        ticks += 1
+    # From 512 to ~6000 tokens: creeping by one quantum would take ~22 raises; doubling-capped jumps take 4-5.
+    assert loop.publishes <= 6 and curve(loop.schedule.budgets[0]) >= config.target
+
+
+def test_raise_is_bounded_by_max_step_ratio_and_max_budget():
+    config = RetuneConfig(max_budget=4096, max_step_ratio=2.0)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(1024, 3072))
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.5), 1: reading(0.5)}), now=1)
+    assert proposal.budgets == (2048, 4096)
+    at_max = Schedule(budgets=(1024, 4096), version=2)
+    proposal = r.step(at_max, Snapshot(2, {1: reading(0.5, tokens=6000)}), now=2)
+    assert proposal.budgets == (1024, 4096) and proposal.bins[1].state == "at_max"
+
+
+def test_lowering_respects_min_budget_and_quantum():
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=1, min_budget=768)
+    r = Retuner(config, window_s=5)
+    proposal = r.step(Schedule(budgets=(1024, 1024)), Snapshot(1, {0: reading(0.99), 1: reading(0.99)}), now=1)
+    assert proposal.budgets == (768, 768)
+    assert all(d.reason == "lower" for d in proposal.decisions)
+
+
+def test_non_decreasing_repair_raises_later_bins_and_says_so():
+    config = RetuneConfig()
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(1024, 1024, 1536, 4096))
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.80)}), now=1)  # only bin 0 needs more
+    assert proposal.budgets[0] > 1536 and list(proposal.budgets) == sorted(proposal.budgets)
+    reasons = {d.bin: d.reason for d in proposal.decisions}
+    assert reasons[0] == "raise" and reasons[1] == "repair" and reasons[2] == "repair" and 3 not in reasons
+    Schedule(budgets=proposal.budgets)  # valid
+
+
+def test_hysteresis_holds_a_bin_in_the_band_and_lowering_waits_for_the_hold():
+    config = RetuneConfig(lower_hold_s=10, hysteresis=0.02)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(2048, 4096))
+    for t in range(30):  # bin 0 inside [target, target + hysteresis], no bracket: held for good
+        proposal = r.step(schedule, Snapshot(1, {0: reading(0.89, 5000 + t)}), now=t)
+        assert not proposal.changed
+    r = Retuner(config, window_s=5)
+    for t in range(10):  # bin 0 above the band: not before lower_hold_s
+        proposal = r.step(schedule, Snapshot(1, {0: reading(0.93, 5000 + t)}), now=t)
+        assert not proposal.changed, t
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.93, 6000)}), now=10)
+    assert proposal.budgets[0] < 2048 and proposal.decisions[0].reason == "lower"
+
+
+def test_repeated_identical_readings_do_not_count_as_new_evidence():
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=3)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(2048,))
+    for t in range(5):  # a trainer that stopped stepping: the same gauge values scraped again
+        assert not r.step(schedule, Snapshot(1, {0: reading(0.95, 5000)}), now=t).changed
+    assert r.step(schedule, Snapshot(1, {0: reading(0.95, 5001)}), now=6).changed is False
+    assert r.step(schedule, Snapshot(1, {0: reading(0.951, 5002)}), now=7).changed
+
+
+def test_data_from_an_older_budget_waits_and_blind_or_thin_data_never_acts():
+    config = RetuneConfig()
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(1024, 2048), version=5)
+    r.sync(Schedule(budgets=(1024, 1024), version=4))
+    proposal = r.step(schedule, Snapshot(4, {0: reading(0.5), 1: reading(0.5)}), now=1)
+    assert proposal.bins[1].state == "waiting" and proposal.bins[0].state == "fresh"
+    assert [d.bin for d in proposal.decisions] == [0]  # bin 1's reading came from its old budget
+    r = Retuner(config, window_s=5)
+    assert not r.step(schedule, None, now=1).changed
+    thin = r.step(schedule, Snapshot(5, {0: reading(0.5, tokens=10), 1: BinReading()}), now=2)
+    assert not thin.changed and thin.bins[0].state == "few_tokens" and thin.bins[1].state == "no_data"
+
+
+def test_histogram_is_a_fallback_only_once_its_window_is_fresh():
+    config = RetuneConfig()
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(2048,))
+    hist = BinReading(p5_histogram=0.5, tokens_window=9000)
+    assert r.step(schedule, Snapshot(1, {0: hist}), now=0).bins[0].state == "few_tokens"
+    proposal = r.step(schedule, Snapshot(1, {0: hist}), now=6)
+    assert proposal.bins[0].source == "histogram" and proposal.changed
+
+
+def test_one_reading_below_tau_raises_at_once_even_with_a_good_history():
+    config = RetuneConfig()
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(2048,))
+    for t in range(6):
+        assert not r.step(schedule, Snapshot(1, {0: reading(0.885, 5000 + t)}), now=t).changed
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.85, 7000)}), now=7)
+    assert proposal.changed and proposal.decisions[0].reason == "raise"
+
+
+def test_a_schedule_with_other_bins_resets_what_was_learned():
+    r = Retuner(RetuneConfig(), window_s=5)
+    r.step(Schedule(budgets=(1024, 2048)), Snapshot(1, {0: reading(0.9)}), now=1)
+    assert r.points(0)
+    r.step(Schedule(budgets=(1024, 2048, 2048), version=2), None, now=2)
+    assert r.points(0) == []
