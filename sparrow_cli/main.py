@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "cost": "sparrow_cli.cost_cmd",
     "bench": "sparrow_cli.bench_cmd",
     "selfcheck": "sparrow_cli.selfcheck_cmd",
+    "model": "sparrow_cli.model_cmd",
     "controller": "sparrow_cli.controller_cmd",
 }
 

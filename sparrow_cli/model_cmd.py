@@ -1,0 +1,111 @@
+"""`sparrow model build|eval`: train the project's own Qwen3-architecture policy on the chain task, and measure it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sparrow_cli.errors import CliError
+
+
+def _difficulty(text: str) -> tuple[int, int]:
+    try:
+        pairs, hops = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"difficulty must be PAIRS:HOPS, got {text!r}") from None
+    return pairs, hops
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `sparrow model build` and `sparrow model eval`."""
+    p = subparsers.add_parser("model", help="build (train) or evaluate the project's own small policy model")
+    sub = p.add_subparsers(dest="model_command", metavar="ACTION")
+    sub.required = True
+
+    b = sub.add_parser("build", help="train a Qwen3-architecture model from scratch on the chain task")
+    b.add_argument("--size", required=True, choices=["tiny", "small"], help="tiny (fast tests) or small (policy)")
+    b.add_argument("--out", required=True, help="output folder (HF format + build.json)")
+    b.add_argument("--seed", type=int, default=0, help="seed of weights, data and evaluation (default 0)")
+    b.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the size's budget)")
+    b.add_argument("--minutes", type=float, default=None, help="wall-clock cap; if it binds, not deterministic")
+    b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda (default cpu)")
+    b.add_argument("--eval-samples", type=int, default=None, help="held-out prompts per difficulty after training")
+    b.set_defaults(handler=run)
+
+    e = sub.add_parser("eval", help="held-out accuracy per difficulty, greedy and sampled (temperature 1.0)")
+    e.add_argument("--model", required=True, help="a folder written by `sparrow model build`")
+    e.add_argument(
+        "--difficulty",
+        type=_difficulty,
+        action="append",
+        required=True,
+        help="PAIRS:HOPS, repeatable (e.g. --difficulty 64:64 --difficulty 144:144)",
+    )
+    e.add_argument("--samples", type=int, default=64, help="held-out prompts per difficulty (default 64)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling (default 0)")
+    e.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    e.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda (default cpu)")
+    e.add_argument("--json", action="store_true", help="print JSON")
+    e.set_defaults(handler=run)
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    if args.threads < 1:
+        raise CliError(f"--threads must be >= 1, got {args.threads}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda: no CUDA GPU is visible")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch to build or eval."""
+    _check_common(args)
+    return _build(args) if args.model_command == "build" else _eval(args)
+
+
+def _build(args: argparse.Namespace) -> int:
+    from trainer.model_build import BuildConfig, build, default_steps
+
+    steps = default_steps(args.size) if args.steps is None else args.steps
+    if steps < 1:
+        raise CliError(f"--steps must be >= 1, got {steps}")
+    if args.minutes is not None and args.minutes <= 0:
+        raise CliError(f"--minutes must be > 0, got {args.minutes}")
+    cfg = BuildConfig.for_size(args.size, seed=args.seed, steps=steps, minutes=args.minutes, threads=args.threads,
+                               device=args.device)  # fmt: skip
+    if args.eval_samples is not None:
+        if args.eval_samples < 1:
+            raise CliError(f"--eval-samples must be >= 1, got {args.eval_samples}")
+        cfg.eval_samples = args.eval_samples
+    info = build(cfg, Path(args.out), command=["sparrow", *sys.argv[1:]] if sys.argv[1:2] == ["model"] else None)
+    print(f"saved {args.out} ({info['parameters']} parameters, {info['steps_done']} steps, {info['train_seconds']}s)")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from sparrow.tasks import ChainTask, TaskError
+    from trainer.evaluate import evaluate
+    from trainer.model_io import ModelLoadError, load_model
+
+    if args.samples < 1:
+        raise CliError(f"--samples must be >= 1, got {args.samples}")
+    torch.set_num_threads(args.threads)
+    try:
+        tasks = [ChainTask(p, h, min_hops=h) for p, h in args.difficulty]
+        model = load_model(args.model, device=args.device)
+    except (TaskError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from None
+    quiet = args.json
+    with torch.no_grad():
+        rows = evaluate(model, tasks, samples=args.samples, seed=args.seed, log=(lambda *_: None) if quiet else print)
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json({"model": args.model, "seed": args.seed, "results": rows})
+    return 0

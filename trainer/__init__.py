@@ -1,0 +1,1 @@
+"""Learning code: building the project's own tokenizer and models, evaluation (no services, no CLI)."""
