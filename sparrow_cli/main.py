@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "selfcheck": "sparrow_cli.selfcheck_cmd",
     "model": "sparrow_cli.model_cmd",
     "controller": "sparrow_cli.controller_cmd",
+    "calibrate": "sparrow_cli.calibrate_cmd",
 }
 
 
