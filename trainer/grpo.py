@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.scoring import scaled_logprobs
+
 
 @dataclass(frozen=True)
 class GRPOConfig:
@@ -104,7 +106,7 @@ def grpo_tis_loss(
 def sampled_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities [batch, seq] of `tokens` under `logits` [batch, seq, vocab] at `temperature`.
 
-    The caller aligns them: logits at position t score the token at t + 1.
+    The caller aligns them: logits at position t score the token at t + 1. Temperature is applied
+    as everywhere else (`trainer.scoring.scaled_logprobs`), so training sees what scoring saw.
     """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return scaled_logprobs(logits, temperature).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
