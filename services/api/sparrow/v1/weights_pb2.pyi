@@ -1,0 +1,76 @@
+from services.api.sparrow.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WatchVersionsRequest(_message.Message):
+    __slots__ = ("generator_id",)
+    GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    generator_id: str
+    def __init__(self, generator_id: _Optional[str] = ...) -> None: ...
+
+class WatchVersionsResponse(_message.Message):
+    __slots__ = ("latest",)
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    latest: _common_pb2.Versions
+    def __init__(self, latest: _Optional[_Union[_common_pb2.Versions, _Mapping]] = ...) -> None: ...
+
+class FetchPolicyRequest(_message.Message):
+    __slots__ = ("version", "chunk_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    chunk_bytes: int
+    def __init__(self, version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class FetchAdapterRequest(_message.Message):
+    __slots__ = ("version", "chunk_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    chunk_bytes: int
+    def __init__(self, version: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class WeightFile(_message.Message):
+    __slots__ = ("path", "size_bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class WeightManifest(_message.Message):
+    __slots__ = ("version", "files", "lora_rank", "lora_target_modules")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    LORA_TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    files: _containers.RepeatedCompositeFieldContainer[WeightFile]
+    lora_rank: int
+    lora_target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., files: _Optional[_Iterable[_Union[WeightFile, _Mapping]]] = ..., lora_rank: _Optional[int] = ..., lora_target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: WeightManifest
+    chunk: FileChunk
+    def __init__(self, manifest: _Optional[_Union[WeightManifest, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("path", "offset", "data")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    data: bytes
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
