@@ -1,0 +1,87 @@
+"""The trainer's export of tail acceptance per length bin, under the names of `sparrow.metrics_contract`.
+
+Each RL step scores every generated token (alpha against the dense policy) and hands the step's
+alpha values, with the KV length each token was produced at, to `TailMetrics.record_step`. The
+histogram accumulates over the run so that PromQL's `histogram_quantile` over a `rate` window is
+the p5 of recent steps; the gauges hold the exact p5 and token count of the last step.
+
+Bucket counts are added per step with one vectorised pass rather than one `observe` per token: a
+step holds hundreds of thousands of tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import torch
+from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, HistogramMetricFamily
+
+from sparrow import metrics_contract as mc
+from sparrow.acceptance import DEFAULT_QUANTILE, bin_index, binned_stats
+from sparrow.schedule import DEFAULT_BIN_WIDTH
+
+
+class TailMetrics:
+    """Collector of sparrow_trainer_alpha (histogram), its exact p5 and token gauges, and the schedule version."""
+
+    def __init__(
+        self, bin_width: int = DEFAULT_BIN_WIDTH, num_bins: int | None = None, quantile: float = DEFAULT_QUANTILE
+    ) -> None:
+        self.bin_width, self.num_bins, self.quantile = bin_width, num_bins, quantile
+        self._edges = torch.tensor(mc.ALPHA_BUCKETS, dtype=torch.float64)
+        self._buckets: dict[int, torch.Tensor] = {}  # bin -> cumulative count per bucket edge, +Inf last
+        self._sums: dict[int, float] = {}
+        self._last: dict[int, tuple[float, int]] = {}  # bin -> (exact quantile, tokens) of the last step
+        self._schedule_version: float = math.nan
+        self._lock = threading.Lock()
+
+    def record_step(self, alpha: torch.Tensor, kv_lens: torch.Tensor, oldest_schedule_version: int) -> None:
+        """Add one step's tokens: alpha [n] in [0, 1] and the KV length [n] each token was produced at."""
+        alpha = torch.as_tensor(alpha).reshape(-1)
+        if not alpha.is_floating_point():
+            alpha = alpha.double()
+        if alpha.numel() and (bool(torch.isnan(alpha).any()) or float(alpha.min()) < 0 or float(alpha.max()) > 1):
+            raise ValueError("alpha values must lie in [0, 1]")
+        bins = bin_index(torch.as_tensor(kv_lens).reshape(-1), self.bin_width, self.num_bins)
+        stats = binned_stats(alpha, torch.as_tensor(kv_lens), self.bin_width, self.quantile, self.num_bins)
+        with self._lock:
+            for b in bins.unique().tolist():
+                values = alpha[bins == b]
+                # le semantics: a value equal to an edge counts in that bucket; edges are compared in the
+                # values' own precision (a float32 0.86 is not above the edge 0.86).
+                per_edge = torch.bucketize(values, self._edges.to(values.dtype), right=False)
+                counts = torch.bincount(per_edge, minlength=len(self._edges) + 1).to(torch.float64)
+                cumulative = counts.cumsum(0)
+                self._buckets[b] = self._buckets.get(b, torch.zeros_like(cumulative)) + cumulative
+                self._sums[b] = self._sums.get(b, 0.0) + float(values.double().sum())
+            self._last = {s.index: (s.quantile, s.count) for s in stats}
+            self._schedule_version = float(oldest_schedule_version)
+
+    def collect(self):
+        """Prometheus collector protocol: the metric families, read under the lock."""
+        with self._lock:
+            hist = HistogramMetricFamily(mc.ALPHA_HISTOGRAM, "Per-token acceptance rate alpha", labels=[mc.BIN_LABEL])
+            for b in sorted(self._buckets):
+                cumulative = self._buckets[b].tolist()
+                pairs = [(_le(edge), count) for edge, count in zip(mc.ALPHA_BUCKETS, cumulative, strict=False)]
+                pairs.append(("+Inf", cumulative[-1]))
+                hist.add_metric([str(b)], pairs, self._sums[b])
+            p5 = GaugeMetricFamily(mc.ALPHA_P5_GAUGE, "Exact p5 of alpha over the last step", labels=[mc.BIN_LABEL])
+            tokens = GaugeMetricFamily(mc.ALPHA_TOKENS_GAUGE, "Tokens behind the exact p5", labels=[mc.BIN_LABEL])
+            for b in sorted(self._buckets):
+                q, n = self._last.get(b, (math.nan, 0))
+                p5.add_metric([str(b)], q)
+                tokens.add_metric([str(b)], n)
+            version = GaugeMetricFamily(mc.SCHEDULE_VERSION_GAUGE, "Oldest schedule version behind the last step")
+            version.add_metric([], self._schedule_version)
+        return [hist, p5, tokens, version]
+
+    def register(self, registry: CollectorRegistry) -> TailMetrics:
+        """Serve these metrics from `registry`."""
+        registry.register(self)
+        return self
+
+
+def _le(edge: float) -> str:
+    return repr(float(edge))

@@ -1,0 +1,76 @@
+"""The trainer's tail metrics as the controller sees them: a real Prometheus scrapes the exporter,
+and PromQL's histogram_quantile per bin lands within one bucket of the exact p5 gauge."""
+
+import json
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+
+from services.trainer.tail_metrics import TailMetrics
+from sparrow import metrics_contract as mc
+from tests.servers import free_port, prometheus_server, wait_until
+
+
+def _query(url: str, promql: str) -> dict[str, float]:
+    q = urllib.parse.urlencode({"query": promql})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=5) as resp:
+        data = json.load(resp)["data"]["result"]
+    return {r["metric"].get("bin", ""): float(r["value"][1]) for r in data}
+
+
+def _step(gen: torch.Generator, n: int = 4000) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's tokens in three bins whose tails differ: longer bins have worse tails."""
+    kv = torch.randint(0, 6000, (n,), generator=gen)
+    tail_weight = (kv // 2000 + 1).double() * 0.04  # bin 0: 4% of tokens in the tail, bin 2: 12%
+    in_tail = torch.rand(n, generator=gen, dtype=torch.float64) < tail_weight
+    alpha = torch.where(in_tail, torch.rand(n, generator=gen, dtype=torch.float64) * 0.8 + 0.1, 0.999)
+    return alpha, kv
+
+
+def test_exposition_follows_the_contract():
+    metrics = TailMetrics(bin_width=2000)
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    metrics.record_step(torch.tensor([0.5, 0.86, 1.0, 0.99]), torch.tensor([10, 20, 2500, 2600]), 4)
+    text = generate_latest(registry).decode()
+    assert f'{mc.ALPHA_HISTOGRAM}_bucket{{bin="0",le="0.86"}} 2.0' in text  # le is inclusive
+    assert f'{mc.ALPHA_HISTOGRAM}_bucket{{bin="1",le="+Inf"}} 2.0' in text
+    assert f'{mc.ALPHA_TOKENS_GAUGE}{{bin="1"}} 2.0' in text
+    assert f"{mc.SCHEDULE_VERSION_GAUGE} 4.0" in text
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        metrics.record_step(torch.tensor([1.5]), torch.tensor([3]), 4)
+
+
+def test_promql_p5_per_bin_matches_the_exact_gauge():
+    metrics = TailMetrics(bin_width=2000)
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    port = free_port()
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with prometheus_server([f"127.0.0.1:{port}"]) as prom:
+            deadline = time.monotonic() + 12
+            while time.monotonic() < deadline:  # steps for a few scrape intervals
+                alpha, kv = _step(gen)
+                metrics.record_step(alpha, kv, oldest_schedule_version=1)
+                time.sleep(0.5)
+            promql = f"histogram_quantile(0.05, sum by (le, bin) (rate({mc.ALPHA_HISTOGRAM}_bucket[10s])))"
+            wait_until(lambda: len(_query(prom.url, promql)) == 3, 20, "a PromQL p5 for every bin", prom)
+            estimated = _query(prom.url, promql)
+            exact = _query(prom.url, f"{mc.ALPHA_P5_GAUGE}")
+    finally:
+        server.shutdown()
+        server.server_close()
+    edges = (0.0, *mc.ALPHA_BUCKETS)
+    for b, p5 in exact.items():
+        # The bucket holding the exact value, widened by one bucket on each side.
+        i = next(k for k in range(1, len(edges)) if p5 <= edges[k])
+        low, high = edges[max(0, i - 2)], edges[min(len(edges) - 1, i + 1)]
+        assert low <= estimated[b] <= high, f"bin {b}: PromQL p5 {estimated[b]:.3f} vs exact {p5:.3f}"
+    assert exact["2"] < exact["0"]  # the longer bin's tail is worse, and both views agree on it
+    assert estimated["2"] < estimated["0"]
