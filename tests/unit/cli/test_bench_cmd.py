@@ -2,24 +2,12 @@
 checked for consistency, never for speed (timed assertions make CI flaky)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.cli_runner import sparrow
+
 SMALL = ["--context", "1024", "--budget", "256", "--batch", "2", "--kv-heads", "2", "--q-heads", "4"]
-
-
-def sparrow(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "sparrow_cli.main", *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

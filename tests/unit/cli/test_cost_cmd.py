@@ -1,22 +1,10 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.cli_runner import sparrow
+
 BASE = ["cost", "--model", "qwen3-4b", "--schedule", "qwen3-4b-0.86", "--prompt-len", "512", "--gen-len", "32768"]
-
-
-def sparrow(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "sparrow_cli.main", *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_cost_text():

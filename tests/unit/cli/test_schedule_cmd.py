@@ -1,21 +1,8 @@
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-
-
-def sparrow(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "sparrow_cli.main", *map(str, args)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+from tests.cli_runner import sparrow
 
 
 def assert_one_line_error(result, fragment):
