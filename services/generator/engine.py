@@ -1,0 +1,106 @@
+"""The rollout engine as the generator service sees it: prompt groups in, finished samples out.
+
+`services/generator/service.py` drives an engine without knowing which one it is:
+
+    engine.submit(group)            # n samples of one prompt group join the running batch
+    for sample in engine.step():    # one engine step (continuous batching); samples that finished
+        ...
+    engine.set_schedule(schedule)   # applies from the next step on
+    engine.load_policy(folder, 7)   # in place, no restart
+    engine.load_adapter(folder, 3)  # runtime LoRA, new lora_int_id per version
+
+Implementations: `vllm_engine.VllmEngine` (production: vLLM with the block-sparse attention
+plugin) and `reference_engine.ReferenceEngine` (the project's own paged torch decode loop of
+`trainer.reference_generate`, slow, no vLLM needed; used to test the service's plumbing quickly and
+on machines without vLLM). Both are real generators; neither is a mock.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sparrow.schedule import Schedule
+from sparrow.work import PromptGroup
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+FINISH_ABORTED = "aborted"
+
+
+@dataclass(frozen=True)
+class EngineVersions:
+    """What produced a sample: policy, adapter (0 = none) and schedule versions."""
+
+    policy_version: int = 0
+    adapter_version: int = 0
+    schedule_version: int = 0
+
+
+@dataclass
+class FinishedSample:
+    """One finished response of a group, with everything the trainer needs."""
+
+    group_id: str
+    sample_index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # sampled token's raw logprob at the group's temperature, per position
+    top_token_ids: list[list[int]]  # top-k ids per position, most likely first
+    top_logprobs: list[list[float]]
+    kv_budgets: list[int]  # KV budget in tokens used for each position (0 = dense)
+    versions: EngineVersions
+    finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORTED
+    queue_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """An engine operation that failed without harming the engine (e.g. a refused adapter)."""
+
+
+class RolloutEngine(abc.ABC):
+    """A continuous-batching sampler with hot-swappable schedule, policy weights and LoRA adapter."""
+
+    @abc.abstractmethod
+    def submit(self, group: PromptGroup) -> None:
+        """Adds the group's `n` samples to the batch (they start on the next `step`)."""
+
+    @abc.abstractmethod
+    def step(self) -> list[FinishedSample]:
+        """Runs one engine step; returns the samples that finished in it."""
+
+    @abc.abstractmethod
+    def abort(self, group_id: str) -> None:
+        """Drops the group's unfinished samples (drain, shutdown)."""
+
+    @abc.abstractmethod
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Uses `schedule` (None: dense) for every sequence from the next step on."""
+
+    @abc.abstractmethod
+    def load_policy(self, folder: Path, version: int) -> None:
+        """Loads HF-format weights from `folder` in place; new samples carry `version`."""
+
+    @abc.abstractmethod
+    def load_adapter(self, folder: Path, version: int) -> None:
+        """Loads a peft LoRA adapter; new sequences use it. Raises EngineError when refused."""
+
+    @property
+    @abc.abstractmethod
+    def versions(self) -> EngineVersions:
+        """The versions new sequences are generated with."""
+
+    @property
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Unfinished sequences in the batch."""
+
+    def has_work(self) -> bool:
+        return self.in_flight > 0
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Frees the engine (subprocesses, memory)."""
