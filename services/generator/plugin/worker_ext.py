@@ -1,0 +1,68 @@
+"""Methods vLLM adds to its worker class (`worker_extension_cls`), called by name via `collective_rpc`.
+
+They run inside every worker process, between engine steps, so a change applies from the next step
+on, for all sequences in the batch, without restarting the engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from services.generator.plugin.sparse_impl import SparrowAttentionImpl
+from sparrow.schedule import Schedule
+
+
+class SparrowWorkerExtension:
+    """Mixed into vLLM's worker: schedule swaps and in-place weight reloads."""
+
+    def _sparrow_impls(self) -> list[SparrowAttentionImpl]:
+        model = self.model_runner.get_model()
+        return [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), SparrowAttentionImpl)]
+
+    def sparrow_set_schedule(self, schedule_json: str | None) -> int:
+        """Decode under this schedule (JSON of `Schedule.to_json`; None: dense) from the next step on.
+
+        Returns how many attention layers took it (0 means the plugin is not active in this worker).
+        """
+        schedule = None if schedule_json is None else Schedule.from_json(schedule_json)
+        impls = self._sparrow_impls()
+        for impl in impls:
+            impl.set_schedule(schedule)
+        return len(impls)
+
+    def sparrow_attention_layers(self) -> int:
+        """How many layers run the project's attention here."""
+        return len(self._sparrow_impls())
+
+    def sparrow_load_weights(self, folder: str) -> int:
+        """Loads every safetensors file of an HF checkpoint folder into the running model, in place.
+
+        Returns the number of tensors read. The model's own `load_weights` maps checkpoint names to
+        its fused layers (qkv, gate_up) exactly as at start-up.
+        """
+        from safetensors import safe_open
+
+        files = sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors files in {folder}")
+        count = 0
+
+        def tensors():
+            nonlocal count
+            for f in files:
+                with safe_open(str(f), framework="pt") as st:
+                    for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                        count += 1
+                        yield name, st.get_tensor(name)
+
+        model = self.model_runner.get_model()
+        with torch.no_grad():
+            model.load_weights(tensors())
+        return count
+
+    def sparrow_config_echo(self, payload: str) -> str:
+        """Round-trips a JSON payload (a liveness check of the extension through collective_rpc)."""
+        return json.dumps(json.loads(payload))

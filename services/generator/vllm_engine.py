@@ -1,0 +1,305 @@
+"""The production rollout engine: vLLM (in-process engine core) with the block-sparse attention plugin.
+
+The engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, executor "uni",
+synchronous scheduling), so one `step()` is exactly one model step: a schedule set between two
+steps applies to every token of the next one, and the budget each token was produced under is known
+here without asking the workers. Schedules and weights reach the worker through the plugin's worker
+extension (`collective_rpc` by method name), which also works with multi-process executors.
+
+Outputs stream as deltas (one new token per sequence per step), with flat logprobs: the sampled
+token's raw logprob first, then the top-k in rank order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.generator.engine import (
+    FINISH_ABORTED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineError,
+    EngineVersions,
+    FinishedSample,
+    RolloutEngine,
+)
+from services.generator.plugin import WORKER_EXTENSION
+from sparrow.schedule import Schedule
+from sparrow.work import PromptGroup
+
+
+@dataclass
+class _Sequence:
+    group: PromptGroup
+    index: int
+    versions: EngineVersions
+    submitted: float
+    started: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class VllmEngineConfig:
+    """How the engine is built (see GeneratorConfig for the documented fields)."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.3
+    enforce_eager: bool = True
+    enable_prefix_caching: bool = True
+    enable_lora: bool = False
+    max_lora_rank: int = 16
+    seed: int = 0
+    top_logprobs: int = 20
+
+
+class VllmEngine(RolloutEngine):
+    """vLLM with block-sparse decode, hot-swappable schedule, policy weights and LoRA adapter."""
+
+    def __init__(self, config: VllmEngineConfig, schedule: Schedule | None = None) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        if config.max_model_len > _max_positions(config.model):
+            # Our small models are trained short; RoPE extrapolates and the engine must allow it.
+            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.config = config
+        args = EngineArgs(
+            model=config.model,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enforce_eager=config.enforce_eager,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_lora=config.enable_lora,
+            max_lora_rank=config.max_lora_rank if config.enable_lora else None,
+            max_loras=2 if config.enable_lora else 1,
+            max_logprobs=max(config.top_logprobs, 1),
+            logprobs_mode="raw_logprobs",
+            skip_tokenizer_init=True,
+            distributed_executor_backend="uni",
+            async_scheduling=False,
+            worker_extension_cls=WORKER_EXTENSION,
+            seed=config.seed,
+        )
+        self._engine = LLMEngine.from_engine_args(args)
+        self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
+        self._sequences: dict[str, _Sequence] = {}
+        self._by_group: dict[str, list[str]] = {}
+        self._versions = EngineVersions()
+        self._schedule: Schedule | None = None
+        self._lora = None
+        self.set_schedule(schedule)
+
+    # -- hot swaps ---------------------------------------------------------------------------------
+
+    def set_schedule(self, schedule: Schedule | None) -> None:
+        if schedule is not None and not self.sparse_layers:
+            raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
+        if self.sparse_layers:
+            self._rpc("sparrow_set_schedule", None if schedule is None else schedule.to_json())
+        self._schedule = schedule
+        version = schedule.version if schedule is not None else self._versions.schedule_version
+        self._versions = EngineVersions(self._versions.policy_version, self._versions.adapter_version, version)
+
+    def load_policy(self, folder: Path, version: int) -> None:
+        try:
+            self._rpc("sparrow_load_weights", str(folder))
+        except Exception as exc:  # the worker raised: the old weights may be partly overwritten
+            raise EngineError(f"loading policy version {version} from {folder} failed: {exc}") from exc
+        # Cached prefixes were computed with the old weights.
+        self._engine.reset_prefix_cache(reset_running_requests=False)
+        self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
+
+    def load_adapter(self, folder: Path, version: int) -> None:
+        if not self.config.enable_lora:
+            raise EngineError("this engine was started without LoRA support (enable_lora = false)")
+        from vllm.lora.request import LoRARequest
+
+        check_adapter(Path(folder), self.config.max_lora_rank)
+        request = LoRARequest(f"sparrow-adapter-{version}", int(version), str(folder))
+        try:
+            self._engine.add_lora(request)
+        except Exception as exc:
+            raise EngineError(f"adapter version {version} refused by the engine: {exc}") from exc
+        self._lora = request
+        self._versions = EngineVersions(self._versions.policy_version, version, self._versions.schedule_version)
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def submit(self, group: PromptGroup) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = group.sampling
+        if len(group.prompt_token_ids) + s.max_new_tokens > self.config.max_model_len:
+            raise EngineError(
+                f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens ({s.max_new_tokens}) "
+                f"exceeds the engine's max_model_len {self.config.max_model_len}"
+            )
+        params = SamplingParams(
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            max_tokens=s.max_new_tokens,
+            logprobs=s.top_logprobs,
+            detokenize=False,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        now = time.time()
+        ids = []
+        for i in range(group.n):
+            # External ids (vLLM adds its own suffix internally; outputs and aborts use these).
+            rid = f"{group.group_id}#{group.attempt}#{i}"
+            if rid in self._sequences:
+                raise EngineError(f"group {group.group_id} attempt {group.attempt} is already being generated")
+            self._engine.add_request(
+                rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
+            )
+            self._sequences[rid] = _Sequence(group, i, self._versions, submitted=now)
+            ids.append(rid)
+        self._by_group.setdefault(group.group_id, []).extend(ids)
+
+    def step(self) -> list[FinishedSample]:
+        if not self._sequences:
+            return []
+        schedule = self._schedule
+        started = time.time()
+        finished: list[FinishedSample] = []
+        for out in self._engine.step():
+            seq = self._sequences.get(out.request_id)
+            if seq is None:
+                continue
+            if not seq.started:
+                seq.started = started
+            completion = out.outputs[0]
+            self._append(seq, completion, schedule)
+            if out.finished:
+                reason = FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH
+                if completion.finish_reason == "abort":
+                    reason = FINISH_ABORTED
+                finished.append(self._finish(out.request_id, reason))
+        return finished
+
+    def _append(self, seq: _Sequence, completion, schedule: Schedule | None) -> None:
+        plen = len(seq.group.prompt_token_ids)
+        flat = completion.logprobs
+        for j, token in enumerate(completion.token_ids):
+            t = len(seq.token_ids)  # generated tokens before this one
+            seq.token_ids.append(int(token))
+            if flat is not None and len(flat.start_indices) > j:
+                a, b = flat.start_indices[j], flat.end_indices[j]
+                ids, lps, ranks = flat.token_ids[a:b], flat.logprobs[a:b], flat.ranks[a:b]
+                # The sampled token comes first; the top-k follow in rank order (it may appear twice).
+                seq.logprobs.append(float(lps[0]))
+                top = sorted(zip(ranks[1:], ids[1:], lps[1:], strict=True))
+                seq.top_ids.append([int(i) for _, i, _ in top])
+                seq.top_logprobs.append([float(lp) for _, _, lp in top])
+            # Token 0 comes from the dense prefill; token t >= 1 from a decode step at KV length plen + t.
+            budget = 0
+            if t >= 1 and schedule is not None:
+                b = schedule.budget_for(plen + t)
+                budget = b if b < plen + t else 0
+            seq.budgets.append(budget)
+
+    def _finish(self, request_id: str, reason: str) -> FinishedSample:
+        seq = self._sequences.pop(request_id)
+        group_ids = self._by_group.get(seq.group.group_id, [])
+        if request_id in group_ids:
+            group_ids.remove(request_id)
+        if not group_ids:
+            self._by_group.pop(seq.group.group_id, None)
+        now = time.time()
+        return FinishedSample(
+            group_id=seq.group.group_id,
+            sample_index=seq.index,
+            prompt_token_ids=list(seq.group.prompt_token_ids),
+            token_ids=seq.token_ids,
+            logprobs=seq.logprobs,
+            top_token_ids=seq.top_ids,
+            top_logprobs=seq.top_logprobs,
+            kv_budgets=seq.budgets,
+            versions=seq.versions,
+            finish_reason=reason,
+            queue_seconds=max(0.0, (seq.started or now) - seq.submitted),
+            generate_seconds=max(0.0, now - (seq.started or now)),
+        )
+
+    def abort(self, group_id: str) -> None:
+        ids = self._by_group.pop(group_id, [])
+        if ids:
+            self._engine.abort_request(ids)
+        for rid in ids:
+            self._sequences.pop(rid, None)
+
+    @property
+    def versions(self) -> EngineVersions:
+        return self._versions
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sequences)
+
+    def close(self) -> None:
+        for gid in list(self._by_group):
+            self.abort(gid)
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            shutdown = getattr(engine.engine_core, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+
+    def _rpc(self, method: str, *args):
+        results = self._engine.collective_rpc(method, args=args)
+        return results[0]
+
+
+def _max_positions(model_dir: str) -> int:
+    try:
+        return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+def check_adapter(folder: Path, max_rank: int) -> None:
+    """Refuses an adapter folder that vLLM would misload: config, rank, and every tensor finite."""
+    import torch
+    from safetensors import safe_open
+
+    cfg_path = folder / "adapter_config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"adapter {folder}: cannot read adapter_config.json: {exc}") from None
+    rank = cfg.get("r")
+    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
+        raise EngineError(f"adapter {folder}: rank {rank!r} is not in [1, {max_rank}] (the engine's max_lora_rank)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"adapter {folder}: no .safetensors weights")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():  # noqa: SIM118
+                t = st.get_tensor(name)
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise EngineError(f"adapter {folder}: tensor {name} has NaN or inf values")
+                if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
+                    shape = tuple(t.shape)
+                    raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
+    if not math.isfinite(float(cfg.get("lora_alpha", rank))):
+        raise EngineError(f"adapter {folder}: lora_alpha is not finite")
