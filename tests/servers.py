@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,10 +119,16 @@ def redis_server() -> Iterator[Server]:
             yield server
 
 
-def prometheus_config(scrape_targets: dict[str, list[str]] | list[str], scrape_interval: str = "1s") -> str:
-    """prometheus.yml text scraping `scrape_targets` (job -> host:port list, or one list for job `test`)."""
+def prometheus_config(
+    scrape_targets: dict[str, list[str]] | list[str], scrape_interval: str = "1s", rule_files: Sequence[Path] = ()
+) -> str:
+    """prometheus.yml text scraping `scrape_targets` (job -> host:port list, or one list for job `test`),
+    evaluating the alerting/recording rules in `rule_files` (absolute paths)."""
     jobs = scrape_targets if isinstance(scrape_targets, dict) else {"test": list(scrape_targets)}
     lines = ["global:", f"  scrape_interval: {scrape_interval}", f"  evaluation_interval: {scrape_interval}"]
+    if rule_files:
+        lines.append("rule_files:")
+        lines += [f'  - "{path}"' for path in rule_files]
     lines.append("scrape_configs:")
     for job, targets in jobs.items():
         quoted = ", ".join(f'"{t}"' for t in targets)
@@ -133,14 +139,15 @@ def prometheus_config(scrape_targets: dict[str, list[str]] | list[str], scrape_i
 
 @contextmanager
 def prometheus_server(
-    scrape_targets: dict[str, list[str]] | list[str], scrape_interval: str = "1s"
+    scrape_targets: dict[str, list[str]] | list[str], scrape_interval: str = "1s", rule_files: Sequence[Path] = ()
 ) -> Iterator[Server]:
-    """A real Prometheus scraping `scrape_targets`, with its TSDB in a temp dir; `url` is its HTTP API base."""
+    """A real Prometheus scraping `scrape_targets` and evaluating `rule_files`, with its TSDB in a temp dir;
+    `url` is its HTTP API base."""
     binary = require_binary("prometheus")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="sparrow-prometheus-") as tmp:
         config = Path(tmp) / "prometheus.yml"
-        config.write_text(prometheus_config(scrape_targets, scrape_interval))
+        config.write_text(prometheus_config(scrape_targets, scrape_interval, rule_files))
         cmd = [
             binary,
             f"--config.file={config}",

@@ -1,0 +1,223 @@
+{{/*
+Names, labels and the wiring every template shares.
+*/}}
+
+{{- define "sparrow.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified app name; truncated at 50 characters so that "-controller" and friends still fit
+in a 63-character DNS label.
+*/}}
+{{- define "sparrow.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "sparrow.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Selector labels of one component: call with (dict "ctx" $ "component" "generator").
+*/}}
+{{- define "sparrow.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sparrow.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Every label of one component's objects: call with (dict "ctx" $ "component" "generator").
+*/}}
+{{- define "sparrow.labels" -}}
+helm.sh/chart: {{ include "sparrow.chart" .ctx }}
+{{ include "sparrow.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+app.kubernetes.io/part-of: sparrow
+{{- end }}
+
+{{/*
+Labels of objects that belong to the release as a whole (secrets, monitors, rules, dashboards).
+*/}}
+{{- define "sparrow.commonLabels" -}}
+helm.sh/chart: {{ include "sparrow.chart" . }}
+app.kubernetes.io/name: {{ include "sparrow.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sparrow
+{{- end }}
+
+{{- define "sparrow.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "sparrow.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+The image of a component: call with (dict "ctx" $ "image" .Values.generator.image).
+*/}}
+{{- define "sparrow.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) }}
+{{- end }}
+
+{{- define "sparrow.generator.fullname" -}}
+{{- printf "%s-generator" (include "sparrow.fullname" .) }}
+{{- end }}
+
+{{- define "sparrow.trainer.fullname" -}}
+{{- printf "%s-trainer" (include "sparrow.fullname" .) }}
+{{- end }}
+
+{{- define "sparrow.controller.fullname" -}}
+{{- printf "%s-controller" (include "sparrow.fullname" .) }}
+{{- end }}
+
+{{- define "sparrow.redis.fullname" -}}
+{{- printf "%s-redis" (include "sparrow.fullname" .) }}
+{{- end }}
+
+{{- define "sparrow.redis.host" -}}
+{{- if .Values.redis.enabled }}
+{{- include "sparrow.redis.fullname" . }}
+{{- else }}
+{{- required "redis.external.host is required when redis.enabled is false" .Values.redis.external.host }}
+{{- end }}
+{{- end }}
+
+{{- define "sparrow.redis.port" -}}
+{{- if .Values.redis.enabled }}{{ .Values.redis.port }}{{ else }}{{ .Values.redis.external.port }}{{ end }}
+{{- end }}
+
+{{- define "sparrow.redis.database" -}}
+{{- if .Values.redis.enabled }}0{{ else }}{{ .Values.redis.external.database }}{{ end }}
+{{- end }}
+
+{{- define "sparrow.redis.url" -}}
+{{- printf "redis://%s:%s/%s" (include "sparrow.redis.host" .) (include "sparrow.redis.port" .) (include "sparrow.redis.database" .) }}
+{{- end }}
+
+{{- define "sparrow.secretName" -}}
+{{- default (printf "%s-tokens" (include "sparrow.fullname" .)) .Values.security.existingSecret }}
+{{- end }}
+
+{{- define "sparrow.tlsSecretName" -}}
+{{- default (printf "%s-tls" (include "sparrow.fullname" .)) .Values.security.tls.existingSecret }}
+{{- end }}
+
+{{/*
+A component's container resources with its GPUs added as limits (GPUs are requested through limits).
+Call with the component's values (.Values.generator or .Values.trainer).
+*/}}
+{{- define "sparrow.gpuResources" -}}
+{{- $resources := deepCopy (default dict .resources) }}
+{{- if gt (int .gpu.count) 0 }}
+{{- $limits := default dict $resources.limits }}
+{{- $_ := set $limits .gpu.resourceName (int .gpu.count) }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+{{- toYaml $resources }}
+{{- end }}
+
+{{/*
+Environment of the gRPC services (trainer, generator): the service token and, with TLS, the PEM paths.
+*/}}
+{{- define "sparrow.securityEnv" -}}
+- name: SPARROW_SECURITY__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sparrow.secretName" . }}
+      key: service-token
+{{- if .Values.security.tls.enabled }}
+- name: SPARROW_SECURITY__TLS_CERT
+  value: /etc/sparrow/tls/tls.crt
+- name: SPARROW_SECURITY__TLS_KEY
+  value: /etc/sparrow/tls/tls.key
+- name: SPARROW_SECURITY__TLS_CA
+  value: /etc/sparrow/tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{/*
+Generator environment: where Redis and the trainer are, where to listen. docker-compose.yml sets the
+same names (a test compares them).
+*/}}
+{{- define "sparrow.generator.env" -}}
+- name: SPARROW_QUEUE__URL
+  value: {{ include "sparrow.redis.url" . | quote }}
+- name: SPARROW_TRAINER__ADDRESS
+  value: {{ printf "%s:%d" (include "sparrow.trainer.fullname" .) (int .Values.trainer.grpcPort) | quote }}
+- name: SPARROW_TRAINER__WEIGHTS_DIR
+  value: /var/cache/sparrow/weights
+- name: SPARROW_CONTROL__HOST
+  value: "0.0.0.0"
+- name: SPARROW_CONTROL__PORT
+  value: {{ .Values.generator.controlPort | quote }}
+- name: SPARROW_METRICS__HOST
+  value: "0.0.0.0"
+- name: SPARROW_METRICS__PORT
+  value: {{ .Values.generator.metricsPort | quote }}
+{{ include "sparrow.securityEnv" . }}
+{{- end }}
+
+{{- define "sparrow.trainer.env" -}}
+- name: SPARROW_REDIS_URL
+  value: {{ include "sparrow.redis.url" . | quote }}
+- name: SPARROW_GRPC__ADDRESS
+  value: {{ printf "0.0.0.0:%d" (int .Values.trainer.grpcPort) | quote }}
+- name: SPARROW_METRICS__HOST
+  value: "0.0.0.0"
+- name: SPARROW_METRICS__PORT
+  value: {{ .Values.trainer.metricsPort | quote }}
+- name: SPARROW_RUN_DIR
+  value: /var/lib/sparrow
+- name: SPARROW_DEVICE
+  value: {{ if gt (int .Values.trainer.gpu.count) 0 }}cuda{{ else }}cpu{{ end }}
+{{ include "sparrow.securityEnv" . }}
+{{- end }}
+
+{{- define "sparrow.controller.env" -}}
+- name: SPARROW_REDIS__URL
+  value: {{ include "sparrow.redis.url" . | quote }}
+- name: SPARROW_PROMETHEUS__URL
+  value: {{ .Values.controller.prometheusUrl | quote }}
+- name: SPARROW_API__HOST
+  value: "0.0.0.0"
+- name: SPARROW_API__PORT
+  value: {{ .Values.controller.port | quote }}
+- name: SPARROW_RETUNE__TAU
+  value: {{ .Values.tau | quote }}
+- name: SPARROW_API__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sparrow.secretName" . }}
+      key: admin-token
+{{- end }}
+
+{{/*
+A token that survives upgrades: the one already in the release's Secret, else the value, else random.
+Call with (dict "ctx" $ "key" "service-token" "value" .Values.security.serviceToken).
+*/}}
+{{- define "sparrow.token" -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace (include "sparrow.secretName" .ctx) }}
+{{- if .value }}
+{{- .value | b64enc }}
+{{- else if and $existing (index $existing.data .key) }}
+{{- index $existing.data .key }}
+{{- else }}
+{{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,75 @@
+"""Rendering helm/sparrow with Helm's own library (the helm-python-sdk wheel's libhelm), for the deploy tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import yaml
+
+REPO = Path(__file__).resolve().parents[3]
+CHART = REPO / "helm/sparrow"
+RELEASE = "demo"
+NAMESPACE = "rl"
+
+# Every optional feature on. HPA and KEDA exclude each other (KEDA runs its own HPA), so "all on" is
+# two value sets, one per autoscaler.
+MONITORING_ON = {
+    "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
+    "podMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "dashboards": {"enabled": True},
+}
+ALL_ON_HPA: dict[str, Any] = {
+    "generator": {"autoscaling": {"hpa": {"enabled": True}}, "config": {"engine": {"gpu_memory_utilization": 0.85}}},
+    "trainer": {"config": {"steps": 100}},
+    "controller": {"config": {"interval_s": 15.0}},
+    "monitoring": MONITORING_ON,
+    "networkPolicy": {"enabled": True, "controllerApiFrom": [{"namespaceSelector": {"matchLabels": {"team": "rl"}}}]},
+    "security": {"tls": {"enabled": True, "cert": "CERT PEM", "key": "KEY PEM", "ca": "CA PEM"}},
+    "imagePullSecrets": [{"name": "registry"}],
+}
+ALL_ON_KEDA: dict[str, Any] = {
+    "generator": {"autoscaling": {"keda": {"enabled": True}}},
+    "monitoring": MONITORING_ON,
+    "networkPolicy": {"enabled": True},
+    "security": {"tls": {"enabled": True, "existingSecret": "sparrow-tls"}, "existingSecret": "sparrow-tokens"},
+}
+EXTERNAL_REDIS: dict[str, Any] = {
+    "redis": {"enabled": False, "external": {"host": "redis.shared.svc", "port": 6380, "database": 2}},
+    "trainer": {"persistence": {"enabled": False}},
+    "generator": {"autoscaling": {"keda": {"enabled": True}}},
+    "networkPolicy": {"enabled": True},
+}
+VARIANTS = {"defaults": None, "all-on-hpa": ALL_ON_HPA, "all-on-keda": ALL_ON_KEDA, "external-redis": EXTERNAL_REDIS}
+
+
+def render(values: dict[str, Any] | None = None) -> dict[str, str]:
+    """Template path -> rendered text (NOTES.txt included), as `helm template` would produce."""
+    with helm.Chart.load(CHART) as chart:
+        return chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+
+
+def objects(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every Kubernetes object the chart renders with `values`."""
+    out = []
+    for path, text in sorted(render(values).items()):
+        if path.endswith(".yaml"):
+            out += [doc for doc in yaml.safe_load_all(text) if doc]
+    return out
+
+
+def find(objs: list[dict[str, Any]], kind: str, component: str | None = None) -> list[dict[str, Any]]:
+    """Objects of `kind` (and of `component`, by the app.kubernetes.io/component label)."""
+    found = [o for o in objs if o["kind"] == kind]
+    if component is not None:
+        found = [o for o in found if o["metadata"]["labels"].get("app.kubernetes.io/component") == component]
+    return found
+
+
+def container(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
+    """The one container of the component's workload (Deployment or StatefulSet)."""
+    (workload,) = [o for o in find(objs, "Deployment", component) + find(objs, "StatefulSet", component)]
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c

