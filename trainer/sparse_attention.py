@@ -12,6 +12,7 @@ hands unknown forward kwargs down to the attention function):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +59,38 @@ def teacher_forced_plan(
         dense_layers=frozenset(schedule.dense_layers),
         backend=backend,
     )
+
+
+def recorded_plan(
+    prompt_lens: Sequence[int],
+    kv_budgets: Sequence[Sequence[int]],
+    seq_len: int,
+    sink: int = 1,
+    local: int = 2,
+    dense_layers: frozenset[int] = frozenset({0, 1}),
+    backend: str = "auto",
+) -> TeacherForcedPlan:
+    """The plan that reproduces what a generator reported: `kv_budgets[i][t]` tokens for response token t.
+
+    Response token t of row i was produced by the step whose query sat at position
+    prompt_lens[i] + t - 1, so that position gets the budget (0 means dense, as for token 0, which
+    the prefill produced, and as when a schedule's budget covered the whole context). Prompt
+    positions and padding get every page.
+    """
+    rows = len(prompt_lens)
+    if len(kv_budgets) != rows:
+        raise ValueError(f"{rows} prompt lengths but {len(kv_budgets)} budget lists")
+    every_page = -(-seq_len // 16)
+    budgets = torch.full((rows, seq_len), every_page, dtype=torch.long)
+    for i, (plen, row) in enumerate(zip(prompt_lens, kv_budgets, strict=True)):
+        if plen - 1 + len(row) > seq_len:
+            raise ValueError(f"row {i}: prompt {plen} + {len(row)} budgets do not fit in {seq_len} positions")
+        b = torch.as_tensor(list(row), dtype=torch.long)
+        if bool((b < 0).any()) or bool((b % 16 != 0).any()):
+            raise ValueError(f"row {i}: budgets must be non-negative multiples of 16 tokens")
+        pages = torch.where(b > 0, b // 16, torch.full_like(b, every_page))
+        budgets[i, plen - 1 : plen - 1 + len(row)] = pages
+    return TeacherForcedPlan(budgets=budgets, sink=sink, local=local, dense_layers=dense_layers, backend=backend)
 
 
 def block_sparse_attention_forward(

@@ -62,6 +62,7 @@ class VllmEngineConfig:
     max_lora_rank: int = 16
     seed: int = 0
     top_logprobs: int = 20
+    kv_cache_gib: int = 1  # CPU only: memory for the KV cache (vLLM would otherwise take a share of RAM)
 
 
 class VllmEngine(RolloutEngine):
@@ -70,6 +71,7 @@ class VllmEngine(RolloutEngine):
     def __init__(self, config: VllmEngineConfig, schedule: Schedule | None = None) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         if config.max_model_len > _max_positions(config.model):
             # Our small models are trained short; RoPE extrapolates and the engine must allow it.
             os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"

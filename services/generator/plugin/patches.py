@@ -46,7 +46,30 @@ def qwen3_output_projection_bias() -> None:
     qwen3.Qwen3Attention.__init__ = patched
 
 
-ALL = (qwen3_output_projection_bias,)
+def keep_cpu_linear_weights() -> None:
+    """Keep each linear layer's plain weight on CPU after vLLM packs it for oneDNN.
+
+    vLLM's CPU path packs every linear weight into a oneDNN handle after loading and then replaces
+    the parameter with an empty tensor. A generator must reload policy weights in place after every
+    trainer step: with the parameter gone, the model's weight loader has nowhere to write. Keeping
+    it costs one more copy of the linear weights in RAM; the worker extension re-packs after a
+    reload (`SparrowWorkerExtension.sparrow_load_weights`).
+    """
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "_sparrow_patched", False):
+        return
+
+    @functools.wraps(dispatch)
+    def keeping(layer, remove_weight: bool) -> None:
+        dispatch(layer, remove_weight=False)
+
+    keeping._sparrow_patched = True
+    utils.dispatch_cpu_unquantized_gemm = keeping
+
+
+ALL = (qwen3_output_projection_bias, keep_cpu_linear_weights)
 
 
 def apply_all() -> None:

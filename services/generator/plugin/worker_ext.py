@@ -41,7 +41,9 @@ class SparrowWorkerExtension:
         """Loads every safetensors file of an HF checkpoint folder into the running model, in place.
 
         Returns the number of tensors read. The model's own `load_weights` maps checkpoint names to
-        its fused layers (qkv, gate_up) exactly as at start-up.
+        the fused layers (qkv, gate_up) as at start-up. On CPU every linear layer computes with a
+        packed copy of its weight, so each is re-packed afterwards (the plain weights are kept for
+        this by `patches.keep_cpu_linear_weights`); elsewhere vLLM's in-place reload does both.
         """
         from safetensors import safe_open
 
@@ -58,9 +60,18 @@ class SparrowWorkerExtension:
                         count += 1
                         yield name, st.get_tensor(name)
 
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            self.reload_weights(weights_iterator=tensors())
+            return count
         model = self.model_runner.get_model()
         with torch.no_grad():
             model.load_weights(tensors())
+            for module in model.modules():
+                method = getattr(module, "quant_method", None)
+                if hasattr(module, "cpu_linear") and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(module)
         return count
 
     def sparrow_config_echo(self, payload: str) -> str:

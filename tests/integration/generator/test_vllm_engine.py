@@ -1,0 +1,217 @@
+"""The vLLM engine with the block-sparse attention plugin, for real (vLLM CPU, in this process or a child).
+
+- at a budget that covers every page, the plugin's logprobs equal stock vLLM's (separate processes:
+  the attention backend is chosen once per process);
+- with small budgets, its logprobs equal the trainer's teacher-forced sparse scoring of the same
+  tokens under the budgets it reported, and a schedule set between two steps governs the next one;
+- new policy weights and a LoRA adapter load without a restart; a corrupt adapter is refused and the
+  previous one keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sparrow.schedule import Schedule
+from sparrow.work import PromptGroup, Sampling
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[3]
+SMALL = REPO / "models" / "small"
+
+
+def _random_qwen3(folder: Path, head_dim: int = 32) -> Path:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        vocab_size=521,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    Qwen3ForCausalLM(cfg).to(torch.float32).save_pretrained(folder)
+    return folder
+
+
+def _rollout(model: Path, out: Path, *flags: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_HOST_IP": "127.0.0.1"}
+    env.pop("SPARROW_ATTENTION", None)
+    cmd = [sys.executable, "-m", "tests.fixtures.vllm_rollout", "--model", str(model), "--out", str(out), *flags]
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_plugin_matches_stock_vllm_at_full_budget(tmp_path):
+    model = _random_qwen3(tmp_path / "model")
+    full = Schedule(budgets=(1024,), bin_width=1024, name="full")
+    full.save(tmp_path / "full.json")
+    stock = _rollout(model, tmp_path / "stock.json", "--stock")
+    ours = _rollout(model, tmp_path / "ours.json", "--schedule", str(tmp_path / "full.json"))
+    assert stock["layers"] == 0 and ours["layers"] == 4  # stock really ran vLLM's kernel, ours ours
+    for s, o in zip(stock["samples"], ours["samples"], strict=True):
+        assert s["tokens"] == o["tokens"]
+        diff = (torch.tensor(s["logprobs"]) - torch.tensor(o["logprobs"])).abs().max()
+        assert float(diff) <= 1e-5, f"{s['group_id']}: max |stock - plugin| = {float(diff):.2e}"
+        top = (torch.tensor(s["top_logprobs"]) - torch.tensor(o["top_logprobs"])).abs().max()
+        assert float(top) <= 1e-5
+        assert s["top_ids"] == o["top_ids"]
+        assert all(b == 0 for b in o["budgets"])  # a budget covering the context is reported as dense
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)
+    from services.generator.vllm_engine import VllmEngine, VllmEngineConfig
+
+    eng = VllmEngine(
+        VllmEngineConfig(model=str(SMALL), max_model_len=1024, max_num_seqs=8, enable_lora=True, max_lora_rank=8)
+    )
+    yield eng
+    eng.close()
+
+
+def _run(engine, groups):
+    for g in groups:
+        engine.submit(g)
+    out = []
+    while engine.in_flight:
+        out.extend(engine.step())
+    return sorted(out, key=lambda s: (s.group_id, s.sample_index))
+
+
+def _prompt(seed: int, length: int) -> tuple[int, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(int(t) for t in torch.randint(3, 500, (length,), generator=g))
+
+
+def _teacher_forced(model, samples, schedule: Schedule | None = None):
+    """The trainer's scoring of the engine's tokens under the budgets the engine reported."""
+    from trainer import sparse_attention
+    from trainer.scoring import scaled_logprobs
+
+    sparse_attention.install(model).eval()
+    rows = []
+    for s in samples:
+        seq = s.prompt_token_ids + s.token_ids
+        plen = len(s.prompt_token_ids)
+        extra = {}
+        if schedule is not None:
+            extra["sparrow_plan"] = sparse_attention.recorded_plan(
+                [plen],
+                [s.kv_budgets],
+                len(seq),
+                schedule.sink_blocks,
+                schedule.local_blocks,
+                frozenset(schedule.dense_layers),
+                backend="cpu",
+            )
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([seq]), use_cache=False, **extra).logits[0]
+        lp = scaled_logprobs(logits[plen - 1 : len(seq) - 1], 1.0)
+        rows.append(lp.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0])
+    return rows
+
+
+def test_sparse_logprobs_match_trainer_oracle_and_schedule_switches_next_step(engine):
+    from trainer.model_io import load_model
+
+    first = Schedule(budgets=(48, 64, 80, 96), bin_width=128, version=11, name="first")
+    second = Schedule(budgets=(64, 96, 112, 128), bin_width=128, version=12, name="second")
+    engine.set_schedule(first)
+    groups = [PromptGroup(f"s{i}", _prompt(i, 300 + 40 * i), 2, 0, Sampling(max_new_tokens=80)) for i in range(2)]
+    for g in groups:
+        engine.submit(g)
+    done, steps = [], 0
+    while steps < 30:
+        done.extend(engine.step())
+        steps += 1
+    engine.set_schedule(second)  # between step 30 and 31
+    while engine.in_flight:
+        done.extend(engine.step())
+    engine.set_schedule(None)
+    assert len(done) == 4
+    model = load_model(SMALL)
+    for s, ref in zip(done, _teacher_forced(model, done, first), strict=True):
+        plen = len(s.prompt_token_ids)
+        # Step 1 prefilled every prompt (token 0, dense); token t came from step t + 1.
+        want = [0] + [first.budget_for(plen + t) for t in range(1, 30)]
+        want += [second.budget_for(plen + t) for t in range(30, len(s.token_ids))]
+        assert s.kv_budgets == want
+        assert all(0 < b < plen for b in s.kv_budgets[1:])  # selection really happened
+        assert s.versions.schedule_version == 11
+        diff = (ref - torch.tensor(s.logprobs)).abs().max()
+        assert float(diff) <= 1e-3, f"max |engine - teacher-forced| = {float(diff):.2e}"
+        assert len(s.top_token_ids) == len(s.token_ids) and all(len(t) == 20 for t in s.top_token_ids)
+
+
+def test_policy_weights_and_adapter_load_without_restart(engine, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    from trainer.model_io import load_model
+
+    engine.set_schedule(None)
+    # New policy weights: the small model, perturbed.
+    policy = load_model(SMALL)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    policy.save_pretrained(tmp_path / "policy")
+    engine.load_policy(tmp_path / "policy", 2)
+    assert engine.versions.policy_version == 2
+    [s] = _run(engine, [PromptGroup("p", _prompt(7, 200), 1, 2, Sampling(max_new_tokens=40))])
+    assert s.versions.policy_version == 2
+    [new_ref] = _teacher_forced(policy, [s])
+    [old_ref] = _teacher_forced(load_model(SMALL), [s])
+    assert float((new_ref - torch.tensor(s.logprobs)).abs().max()) <= 1e-4
+    assert float((old_ref - torch.tensor(s.logprobs)).abs().max()) > 1e-2  # the old weights are gone
+
+    # A LoRA adapter on the new policy.
+    lora = get_peft_model(
+        load_model(tmp_path / "policy"),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    )
+    lora.save_pretrained(tmp_path / "adapter")
+    engine.load_adapter(tmp_path / "adapter", 1)
+    [a] = _run(engine, [PromptGroup("a", _prompt(8, 200), 1, 2, Sampling(max_new_tokens=40))])
+    assert a.versions.adapter_version == 1
+    [lora_ref] = _teacher_forced(lora.merge_and_unload(), [a])
+    assert float((lora_ref - torch.tensor(a.logprobs)).abs().max()) <= 1e-4
+
+    # A corrupt adapter (NaN) is refused; the previous one keeps serving.
+    from safetensors.torch import load_file, save_file
+
+    from services.generator.engine import EngineError
+
+    shutil.copytree(tmp_path / "adapter", tmp_path / "bad")
+    f = next((tmp_path / "bad").glob("*.safetensors"))
+    tensors = load_file(f)
+    name = next(iter(tensors))
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, f)
+    with pytest.raises(EngineError, match="NaN"):
+        engine.load_adapter(tmp_path / "bad", 2)
+    assert engine.versions.adapter_version == 1
+    [b] = _run(engine, [PromptGroup("b", _prompt(9, 200), 1, 2, Sampling(max_new_tokens=20))])
+    [lora_ref_b] = _teacher_forced(lora, [b])
+    assert b.versions.adapter_version == 1
+    assert float((lora_ref_b - torch.tensor(b.logprobs)).abs().max()) <= 1e-4
