@@ -32,6 +32,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--backend", choices=("auto", "torch", "cpu", "triton"), default="auto", help="sparse kernels to run (auto)"
     )
     a.add_argument("--json", action="store_true", help="print JSON")
+    r = sub.add_parser("rollout", help="the generator's vLLM engine: dense then sparse rollouts of the same batch")
+    r.add_argument("--model", default="models/small", help="HF model folder (default models/small)")
+    r.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    r.add_argument("--gen-len", type=int, default=16384, help="generated tokens per sequence (default 16384)")
+    r.add_argument("--batch", type=int, default=8, help="sequences generated together (default 8)")
+    r.add_argument("--schedule", required=True, help="schedule: a preset name or a JSON file")
+    r.add_argument("--check-alpha", action="store_true", help="also score the sparse tokens densely: p5 per bin")
+    r.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
+    r.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    r.add_argument("--json", action="store_true", help="print JSON")
+    q = sub.add_parser("parity", help="the generator's sparse logprobs vs the trainer's teacher-forced sparse scoring")
+    q.add_argument("--model", default="models/small", help="HF model folder (default models/small)")
+    q.add_argument("--schedule", default=None, help="schedule (default: small budgets so that selection happens)")
+    q.add_argument("--prompts", type=int, default=8, help="sequences (default 8)")
+    q.add_argument("--prompt-len", type=int, default=400, help="prompt tokens (default 400)")
+    q.add_argument("--gen-len", type=int, default=400, help="generated tokens per sequence (default 400)")
+    q.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    q.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)
 
 
@@ -39,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen benchmark and print its figures."""
     if args.bench == "attention":
         return _attention(args)
+    if args.bench in ("rollout", "parity"):
+        from sparrow_cli.bench_engine_cmd import run_engine_bench
+
+        return run_engine_bench(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 

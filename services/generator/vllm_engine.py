@@ -63,6 +63,7 @@ class VllmEngineConfig:
     seed: int = 0
     top_logprobs: int = 20
     kv_cache_gib: int = 1  # CPU only: memory for the KV cache (vLLM would otherwise take a share of RAM)
+    ignore_eos: bool = False  # benchmarks: every sequence runs to max_new_tokens
 
 
 class VllmEngine(RolloutEngine):
@@ -160,6 +161,7 @@ class VllmEngine(RolloutEngine):
             max_tokens=s.max_new_tokens,
             logprobs=s.top_logprobs,
             detokenize=False,
+            ignore_eos=self.config.ignore_eos,
             flat_logprobs=True,
             output_kind=RequestOutputKind.DELTA,
         )

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kernels import block_sparse_decode, new_centroids, sparse_decode_attention, update_centroids
+from kernels import PAGE_SIZE, block_sparse_decode, new_centroids, sparse_decode_attention, update_centroids
 from sparrow.schedule import Schedule
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -135,11 +135,14 @@ class SparrowAttentionImpl(AttentionImpl):
         q = query[:tokens].view(tokens, self.num_heads, self.head_size)
         out = output[:tokens].view(tokens, self.num_heads, self.head_size)
 
-        update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - q_lens, backend=self.backend)
-
-        if tokens == rows:  # every row decodes one token (the steady state): no gathers needed
+        if tokens == rows:  # every row decodes one token (the steady state): one page each to refresh
+            if k_cache.device.type == "cpu":
+                self._refresh_last_pages(k_cache, block_table, seq_lens)
+            else:
+                update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - 1, backend=self.backend)
             out.copy_(self._decode(q, k_cache, v_cache, block_table, seq_lens))
             return output
+        update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - q_lens, backend=self.backend)
         decoding = (q_lens == 1).nonzero().squeeze(1)
         if decoding.numel():
             at = starts[decoding]
@@ -148,6 +151,19 @@ class SparrowAttentionImpl(AttentionImpl):
             s, e = int(starts[r]), int(starts[r + 1])
             out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
         return output
+
+    def _refresh_last_pages(self, k_cache, block_table, seq_lens) -> None:
+        # `kernels.update_centroids_ref` for exactly one written token per row, without its generality
+        # (it dominated the step on CPU). Same arithmetic, so the same centroids as the trainer's.
+        nb, h, bs, d = k_cache.shape
+        pos = seq_lens - 1
+        page = torch.div(pos, PAGE_SIZE, rounding_mode="floor")
+        blocks = block_table.gather(1, torch.div(page * PAGE_SIZE, bs, rounding_mode="floor")[:, None])[:, 0].long()
+        slots = torch.div(page * PAGE_SIZE % bs, PAGE_SIZE, rounding_mode="floor")
+        keys = k_cache.view(nb, h, bs // PAGE_SIZE, PAGE_SIZE, d)[blocks, :, slots].float()  # [rows, h, 16, d]
+        filled = pos - page * PAGE_SIZE + 1
+        mask = torch.arange(PAGE_SIZE, device=keys.device)[None, :] < filled[:, None]
+        self.centroids[blocks, :, slots] = (keys * mask[:, None, :, None]).sum(dim=2) / filled[:, None, None].float()
 
     def _decode(self, q, k_cache, v_cache, block_table, seq_lens) -> torch.Tensor:
         s = self.schedule

@@ -1,0 +1,158 @@
+"""Rollout throughput of the generator's vLLM engine, dense then block-sparse, in one run.
+
+One engine, one set of prompts: the batch is generated with dense decode attention, then again
+under the schedule (set at runtime, as the controller does), every sequence running to the full
+generation length (EOS ignored), so both sides produce the same number of tokens at the same
+lengths. Reported: generated tokens per second of each side, their ratio, the mean attended-KV
+fraction of the sparse run (over every layer, dense layers counted whole), and, with
+`check_alpha`, the p5 of alpha per length bin of the sparse run's tokens against dense scoring
+(the trainer's scoring of the same tokens), so the speedup is quoted next to the tail it costs.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+from services.generator.engine import FinishedSample
+from sparrow.schedule import Schedule
+from sparrow.work import PromptGroup, Sampling
+
+
+@dataclass
+class RolloutBenchResult:
+    model: str
+    schedule: str
+    prompt_len: int
+    gen_len: int
+    batch: int
+    dense_tokens_per_s: float
+    sparse_tokens_per_s: float
+    speedup: float
+    dense_seconds: float
+    sparse_seconds: float
+    attended_kv_fraction: float
+    layers: int
+    dense_layers: list[int]
+    alpha_p5_per_bin: dict[str, float] = field(default_factory=dict)
+    alpha_tokens_per_bin: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    rng = random.Random(seed)
+    return [tuple(rng.randrange(3, vocab) for _ in range(prompt_len)) for _ in range(batch)]
+
+
+def _generate(engine, prompts, gen_len: int, tag: str) -> tuple[list[FinishedSample], float]:
+    for i, p in enumerate(prompts):
+        engine.submit(PromptGroup(f"{tag}{i}", p, 1, 0, Sampling(max_new_tokens=gen_len)))
+    out: list[FinishedSample] = []
+    start = time.perf_counter()
+    while engine.in_flight:
+        out.extend(engine.step())
+    return out, time.perf_counter() - start
+
+
+def attended_fraction(samples: list[FinishedSample], layers: int, dense_layers: int) -> float:
+    """Mean over generated tokens of attended KV / context KV, averaged over every layer."""
+    attended = context = 0.0
+    for s in samples:
+        plen = len(s.prompt_token_ids)
+        for t, b in enumerate(s.kv_budgets):
+            ctx = plen + t
+            sparse_part = min(b, ctx) if b else ctx
+            attended += dense_layers * ctx + (layers - dense_layers) * sparse_part
+            context += layers * ctx
+    return attended / context if context else 1.0
+
+
+def run_rollout_bench(
+    model: str,
+    schedule: Schedule,
+    prompt_len: int,
+    gen_len: int,
+    batch: int,
+    check_alpha: bool = False,
+    seed: int = 0,
+    enforce_eager: bool = True,
+) -> RolloutBenchResult:
+    """Generate the same batch dense, then sparse, with one engine; see the module docstring."""
+    import json
+    from pathlib import Path
+
+    from services.generator.vllm_engine import VllmEngine, VllmEngineConfig
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    max_len = prompt_len + gen_len + 16
+    engine = VllmEngine(
+        VllmEngineConfig(
+            model=model,
+            max_model_len=max_len,
+            max_num_seqs=batch,
+            ignore_eos=True,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=False,
+            kv_cache_gib=max(1, -(-batch * max_len * _kv_bytes_per_token(cfg) // (1 << 30)) + 1),
+        )
+    )
+    try:
+        prompts = _prompts(batch, prompt_len, vocab, seed)
+        _generate(engine, prompts[:1], 8, "warmup")  # first-step allocations off the clock
+        engine.set_schedule(None)
+        dense, dense_s = _generate(engine, prompts, gen_len, "dense")
+        engine.set_schedule(schedule)
+        sparse, sparse_s = _generate(engine, prompts, gen_len, "sparse")
+    finally:
+        engine.close()
+    tokens = sum(len(s.token_ids) for s in dense)
+    sparse_tokens = sum(len(s.token_ids) for s in sparse)
+    dense_layers = len([i for i in schedule.dense_layers if i < layers])
+    result = RolloutBenchResult(
+        model=model,
+        schedule=schedule.name or schedule.compact(),
+        prompt_len=prompt_len,
+        gen_len=gen_len,
+        batch=batch,
+        dense_tokens_per_s=tokens / dense_s,
+        sparse_tokens_per_s=sparse_tokens / sparse_s,
+        speedup=(sparse_tokens / sparse_s) / (tokens / dense_s),
+        dense_seconds=dense_s,
+        sparse_seconds=sparse_s,
+        attended_kv_fraction=attended_fraction(sparse, layers, dense_layers),
+        layers=layers,
+        dense_layers=sorted(schedule.dense_layers),
+    )
+    if check_alpha:
+        result.alpha_p5_per_bin, result.alpha_tokens_per_bin = _alpha_tail(model, sparse, schedule)
+    return result
+
+
+def _kv_bytes_per_token(cfg: dict) -> int:
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+
+
+def _alpha_tail(model: str, samples: list[FinishedSample], schedule: Schedule) -> tuple[dict, dict]:
+    """p5 of alpha (top-20 lower bound) per length bin: the engine's sparse top-20 vs dense scoring."""
+    import torch
+
+    from sparrow.acceptance import alpha_topk, binned_stats
+    from trainer.model_io import load_model
+    from trainer.scoring import Scorer
+
+    scorer = Scorer(load_model(model), backend="cpu")
+    alphas, lens = [], []
+    for s in samples:
+        [dense] = scorer.score([s.prompt_token_ids + s.token_ids], [len(s.prompt_token_ids)])
+        ids = torch.tensor(s.top_token_ids)
+        lps = torch.tensor(s.top_logprobs)
+        alphas.append(alpha_topk(ids, lps, dense.top_ids, dense.top_logprobs))
+        lens.append(dense.kv_lens)
+    stats = binned_stats(torch.cat(alphas), torch.cat(lens), schedule.bin_width)
+    return {str(b.index): b.quantile for b in stats}, {str(b.index): b.count for b in stats}

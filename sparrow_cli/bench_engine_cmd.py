@@ -1,0 +1,77 @@
+"""`sparrow bench rollout` and `sparrow bench parity`: the generator's vLLM engine, measured in one run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from sparrow_cli.errors import CliError
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not (Path(args.model) / "config.json").is_file():
+        raise CliError(f"--model {args.model}: no config.json there (build one with `sparrow model build`)")
+    for flag in ("prompt_len", "gen_len", "batch", "prompts", "threads"):
+        value = getattr(args, flag, 1)
+        if value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+
+
+def _schedule(spec: str):
+    from sparrow.presets import resolve_schedule
+    from sparrow.schedule import ScheduleError
+
+    try:
+        return resolve_schedule(spec)
+    except (ScheduleError, OSError, ValueError) as exc:
+        raise CliError(f"--schedule {spec}: {exc}") from None
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    """Validate, run the chosen engine benchmark, print text or JSON."""
+    _check(args)
+    os.environ.pop("SPARROW_ATTENTION", None)  # the plugin must be active
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.bench == "rollout":
+        from bench.rollout import run_rollout_bench
+
+        result = run_rollout_bench(
+            args.model,
+            _schedule(args.schedule),
+            args.prompt_len,
+            args.gen_len,
+            args.batch,
+            check_alpha=args.check_alpha,
+            enforce_eager=not args.compile,
+        )
+    else:
+        from bench.parity import run_parity_bench
+
+        schedule = _schedule(args.schedule) if args.schedule else None
+        result = run_parity_bench(args.model, schedule, args.prompts, args.prompt_len, args.gen_len)
+    d = result.to_dict()
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json(d)
+        return 0
+    if args.bench == "rollout":
+        print(
+            f"rollout {d['batch']} x ({d['prompt_len']} + {d['gen_len']}) tokens, {d['model']}, "
+            f"schedule {d['schedule']}\n"
+            f"  dense  {d['dense_tokens_per_s']:8.1f} tokens/s  ({d['dense_seconds']:.1f} s)\n"
+            f"  sparse {d['sparse_tokens_per_s']:8.1f} tokens/s  ({d['sparse_seconds']:.1f} s)\n"
+            f"  speedup {d['speedup']:.2f}x, attended KV {d['attended_kv_fraction']:.1%} of the context"
+        )
+        if d["alpha_p5_per_bin"]:
+            print("  p5 of alpha per bin: " + ", ".join(f"{k}: {v:.3f}" for k, v in d["alpha_p5_per_bin"].items()))
+    else:
+        print(
+            f"parity over {d['tokens']} generated tokens ({d['sparse_tokens']} decoded sparsely, mean attended KV "
+            f"{d['attended_kv_fraction']:.1%}): max |engine - teacher-forced| = {d['max_abs_diff']:.2e}, "
+            f"mean {d['mean_abs_diff']:.2e}; top-20 ids equal at {d['top_ids_equal_fraction']:.1%} of positions"
+        )
+    return 0

@@ -1,0 +1,78 @@
+"""The vLLM plugin's pure parts: version check, layer names, the cache split, recorded budgets, adapter checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.generator.plugin import UnsupportedVllmError, check_vllm_version
+
+
+def test_version_check_names_the_supported_line():
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.3")
+    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x; found 0\.33\.0"):
+        check_vllm_version("0.33.0")
+
+
+def test_layer_index_and_cache_split():
+    from services.generator.plugin.sparse_impl import layer_index_of, split_kv_cache
+
+    assert layer_index_of("model.layers.3.self_attn.attn") == 3
+    with pytest.raises(ValueError, match="layer number"):
+        layer_index_of("lm_head")
+    cache = torch.arange(2 * 3 * 32 * 8, dtype=torch.float32).view(2, 3, 32, 8)  # [nb, h, bs, 2d]
+    k, v = split_kv_cache(cache)
+    assert k.shape == v.shape == (2, 3, 32, 4) and k.is_contiguous() and v.is_contiguous()
+    assert k.data_ptr() == cache.data_ptr() and v.data_ptr() == cache.data_ptr() + cache.numel() // 2 * 4
+    with pytest.raises(RuntimeError, match="contiguous"):
+        split_kv_cache(cache.transpose(0, 1))
+
+
+def test_recorded_plan_places_each_budget_at_the_producing_position():
+    from trainer.sparse_attention import recorded_plan
+
+    plan = recorded_plan([5], [[0, 32, 48, 0]], 9, backend="torch")
+    every = 1  # 9 positions -> 1 page
+    assert plan.budgets.tolist() == [[every] * 4 + [every, 2, 3, every, every]]
+    with pytest.raises(ValueError, match="multiples of 16"):
+        recorded_plan([5], [[0, 20]], 9)
+    with pytest.raises(ValueError, match="do not fit"):
+        recorded_plan([5], [[0] * 6], 9)
+
+
+def test_adapter_check_refuses_bad_rank_nan_and_shape(tmp_path):
+    from safetensors.torch import save_file
+
+    from services.generator.engine import EngineError
+    from services.generator.vllm_engine import check_adapter
+
+    def adapter(name, rank, a, b):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps({"r": rank, "lora_alpha": 8}))
+        save_file({"x.q_proj.lora_A.weight": a, "x.q_proj.lora_B.weight": b}, d / "adapter_model.safetensors")
+        return d
+
+    check_adapter(adapter("ok", 4, torch.zeros(4, 64), torch.zeros(64, 4)), max_rank=8)
+    with pytest.raises(EngineError, match="rank 16 is not in"):
+        check_adapter(adapter("big", 16, torch.zeros(16, 64), torch.zeros(64, 16)), max_rank=8)
+    bad = torch.zeros(64, 4)
+    bad[0, 0] = float("nan")
+    with pytest.raises(EngineError, match="NaN"):
+        check_adapter(adapter("nan", 4, torch.zeros(4, 64), bad), max_rank=8)
+    with pytest.raises(EngineError, match="does not match rank"):
+        check_adapter(adapter("shape", 4, torch.zeros(2, 64), torch.zeros(64, 4)), max_rank=8)
+    with pytest.raises(EngineError, match="adapter_config.json"):
+        check_adapter(tmp_path, max_rank=8)
+
+
+def test_bench_engine_commands_refuse_bad_input_in_one_line(tmp_path):
+    from tests.cli_runner import sparrow
+
+    r = sparrow("bench", "parity", "--model", str(tmp_path))
+    assert r.returncode == 2 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = sparrow("bench", "rollout", "--model", "models/small", "--schedule", "no-such-preset", "--gen-len", "0")
+    assert r.returncode == 2 and "--gen-len must be positive" in r.stderr
