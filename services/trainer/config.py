@@ -1,0 +1,161 @@
+"""The trainer service's config: one typed model with defaults (sparrow.config), file < environment < flags."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from services.common.grpc_server import GrpcSecurity
+from sparrow.config import ConfigSection, SparrowConfig
+from sparrow.schedule import DEFAULT_BIN_WIDTH
+
+
+class GrpcConfig(ConfigSection):
+    """The gRPC server carrying RolloutService and WeightService."""
+
+    address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds (port 0 picks a free one).")
+    max_workers: int = Field(
+        64, ge=4, description="Server threads; each open trajectory stream or version watch holds one."
+    )
+    max_message_bytes: int = Field(
+        64 << 20, ge=1 << 16, description="Largest message accepted; a bigger one ends its stream (RESOURCE_EXHAUSTED)."
+    )
+    grace_s: float = Field(10.0, ge=0, description="Seconds in-flight calls get to finish at shutdown.")
+
+
+class SecurityConfig(ConfigSection):
+    """Service token and optional TLS of the gRPC server (services/common/grpc_server.py)."""
+
+    token: SecretStr | None = Field(
+        None, description="Bearer token every caller must send; unset: none. Set SPARROW_SECURITY__TOKEN, not the file."
+    )
+    tls_cert: str = Field("", description="PEM certificate of the server; empty: plaintext.")
+    tls_key: str = Field("", description="PEM private key of the server.")
+    tls_ca: str = Field("", description="PEM CA bundle (for clients of this process).")
+
+    def grpc(self) -> GrpcSecurity:
+        """The shared helper's security settings."""
+        token = self.token.get_secret_value() if self.token is not None else ""
+        return GrpcSecurity(token=token, tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca)
+
+
+class MetricsConfig(ConfigSection):
+    """The Prometheus endpoint."""
+
+    host: str = Field("127.0.0.1", description="Address /metrics listens on.")
+    port: int = Field(9471, ge=0, le=65535, description="Port of /metrics (0: a free one, logged at start).")
+    bin_width: int = Field(DEFAULT_BIN_WIDTH, gt=0, description="KV-length bin width of the alpha tail metrics.")
+    num_bins: int | None = Field(
+        20, ge=1, description="Bins of the tail metrics; longer lengths fall into the last. None: open-ended."
+    )
+
+
+class TaskConfig(ConfigSection):
+    """The prompts the feeder draws: the chain-following task (sparrow/tasks/chain.py)."""
+
+    pairs: int = Field(16, ge=2, description="Pairs in each prompt's context.")
+    min_hops: int = Field(1, ge=1, description="Fewest hops of a query.")
+    max_hops: int = Field(16, ge=1, description="Most hops of a query.")
+    name_pool: int | None = Field(None, description="Names drawn from (None: the task's default).")
+    seed: int = Field(0, ge=0, description="Seed of the training prompt stream.")
+
+
+class SamplingConfig(ConfigSection):
+    """What every prompt group asks the generators for."""
+
+    n: int = Field(8, ge=2, le=1024, description="Samples per prompt group (GRPO's group size).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature (RL: 1.0).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (RL: 1.0).")
+    max_new_tokens: int = Field(256, ge=1, description="Longest response; a longer trajectory is rejected.")
+    top_logprobs: int = Field(20, ge=1, le=20, description="Top-k logprobs per position (alpha needs 20).")
+
+
+class GrpoSection(ConfigSection):
+    """GRPO + TIS (DESIGN.md section 1)."""
+
+    clip_low: float = Field(0.2, gt=0, lt=1, description="Lower PPO clip: ratios below 1 - this are clipped.")
+    clip_high: float = Field(0.28, gt=0, description="Upper PPO clip: ratios above 1 + this are clipped.")
+    tis_cap: float = Field(2.0, ge=1, description="Truncated importance sampling cap C on pi_dense_old / pi_rollout.")
+
+
+class OptimConfig(ConfigSection):
+    """AdamW on the dense policy."""
+
+    lr: float = Field(1e-6, gt=0, description="Learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Gradient norm clip (0: off).")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
+
+
+class CheckpointConfig(ConfigSection):
+    """Checkpoints under run_dir/checkpoints."""
+
+    every: int = Field(1, ge=1, description="Steps between checkpoints (also taken at a clean stop).")
+    keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+
+
+class WeightsConfig(ConfigSection):
+    """Published policy versions and adapters under run_dir/policy and run_dir/adapters."""
+
+    keep: int = Field(3, ge=1, description="Newest policy (and adapter) versions kept for fetching.")
+    default_chunk_bytes: int = Field(1 << 20, ge=1 << 10, description="Chunk size when a fetch asks for none.")
+    max_chunk_bytes: int = Field(
+        4 << 20, ge=1 << 10, description="Largest chunk sent, whatever a fetch asks (below max_message_bytes)."
+    )
+
+
+class TrainerServiceConfig(SparrowConfig):
+    """The trainer service's whole config (TOML file, SPARROW_* environment, flags)."""
+
+    run_dir: str = Field("runs/trainer", description="Where the trajectory store, checkpoints and policies live.")
+    model_dir: str = Field("models/tiny", description="HF-format model folder the run starts from.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the prompt stream.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
+    threads: int = Field(1, ge=1, description="torch CPU threads.")
+    steps: int = Field(0, ge=0, description="Steps to train before stopping (0: until SIGTERM).")
+    groups_per_step: int = Field(8, ge=1, description="Complete prompt groups per training step.")
+    outstanding_steps: float = Field(
+        2.0, gt=0, description="Groups kept enqueued ahead of training, in steps' worth (bounds the queue)."
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="A group whose oldest sample lags the policy by more versions is dropped, not trained."
+    )
+    requeue_after_s: float = Field(
+        900.0, gt=0, description="An incomplete group is enqueued again after this long (a lost entry must not stall)."
+    )
+    poll_s: float = Field(0.5, gt=0, description="Seconds between queue checks while waiting for groups.")
+    logprob_tolerance: float = Field(
+        1e-3, ge=0, description="Logprobs up to this above 0 are accepted (float rounding); larger ones are refused."
+    )
+    grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC server.")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="The prompts.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of every group.")
+    grpo: GrpoSection = Field(default_factory=GrpoSection, description="GRPO + TIS.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Policy publishing.")
+
+    @property
+    def outstanding_groups(self) -> int:
+        """Groups the feeder keeps enqueued and not yet taken by a step."""
+        return max(1, round(self.outstanding_steps * self.groups_per_step))
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainerServiceConfig:
+        from sparrow.tasks import ChainTask, TaskError
+
+        try:
+            ChainTask(self.task.pairs, self.task.max_hops, self.task.min_hops, self.task.name_pool)
+        except TaskError as exc:
+            raise ValueError(f"task: {exc}") from None
+        if self.weights.default_chunk_bytes > self.weights.max_chunk_bytes:
+            raise ValueError("weights.default_chunk_bytes is above weights.max_chunk_bytes")
+        # A chunk travels in one message, with a little framing around its bytes.
+        if self.weights.max_chunk_bytes + 4096 > self.grpc.max_message_bytes:
+            raise ValueError("weights.max_chunk_bytes must leave 4 KiB of room below grpc.max_message_bytes")
+        return self

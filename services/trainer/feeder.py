@@ -1,0 +1,199 @@
+"""The feeder: keeps a bounded number of prompt groups on the Redis Stream the generators consume.
+
+Each group is a chain-task prompt (sparrow/tasks/chain.py) tokenized with the model's tokenizer,
+`n` samples at the configured sampling, tagged with the policy version current when it was made.
+It is written to the ledger (answer included; answers never travel) before XADD, so a crash in
+between re-enqueues it. The feeder also re-enqueues a group that has waited too long (a lost stream
+entry must not stall training) and reads the dead-letter stream, marking its own dead groups.
+
+Redis errors are logged and retried on the next tick; they never stop the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import redis
+
+from services.trainer.ledger import GroupLedger, GroupRecord
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.store import TrajectoryStore
+from sparrow.tasks import ChainTask, ExampleStream
+from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM, PromptGroup, Sampling, WorkItemError
+
+log = logging.getLogger("sparrow.trainer.feeder")
+
+DEAD_READ_COUNT = 100
+
+
+@dataclass(frozen=True)
+class FeedSettings:
+    """What the feeder makes and how many it keeps ahead."""
+
+    run_id: str
+    task: ChainTask
+    seed: int
+    n: int
+    sampling: Sampling
+    outstanding: int
+    requeue_after_s: float
+
+
+class Feeder:
+    """Draws prompts, records them, enqueues them, and watches the dead-letter stream."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        ledger: GroupLedger,
+        store: TrajectoryStore,
+        tokenizer,
+        settings: FeedSettings,
+        policy_version: Callable[[], int],
+        metrics: TrainerMetrics,
+    ) -> None:
+        self.client = client
+        self.ledger = ledger
+        self.store = store
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.policy_version = policy_version
+        self.metrics = metrics
+        self.stream = ExampleStream(settings.task, settings.seed, "train")
+        self.position = 0  # examples drawn from the stream so far
+        self._queued_at: dict[str, float] = {}
+        self._dead_cursor = "0-0"
+        self._group_ready = False
+        self._redis_down = False  # log the outage once, not every tick
+
+    # -- data position ----------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        """The data position, for the checkpoint: examples drawn and the stream's RNG state."""
+        version, internal, gauss = self.stream.rng.getstate()
+        return {"position": self.position, "rng": [version, list(internal), gauss]}
+
+    def restore(self, state: dict | None) -> None:
+        """Continue the prompt stream where the checkpoint left it, then past every group the ledger holds."""
+        if state:
+            version, internal, gauss = state["rng"]
+            self.stream.rng.setstate((version, tuple(internal), gauss))
+            self.position = int(state["position"])
+        # Groups enqueued after the checkpoint are in the ledger: skip the examples they used.
+        while self.position < self.ledger.next_index:
+            self.stream.next()
+            self.position += 1
+        # Compaction may have emptied the ledger; indices (and so group ids) never repeat.
+        self.ledger.next_index = max(self.ledger.next_index, self.position)
+
+    # -- the queue --------------------------------------------------------------------------------
+
+    def ensure_consumer_group(self) -> None:
+        """Create the generators' consumer group (and the stream) if missing; idempotent."""
+        try:
+            self.client.xgroup_create(PROMPTS_STREAM, GENERATOR_GROUP, id="0", mkstream=True)
+            log.info("created consumer group %s on %s", GENERATOR_GROUP, PROMPTS_STREAM)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def tick(self) -> None:
+        """One round: dead letters, groups to (re)enqueue, top-up to the bound. Never raises on Redis errors."""
+        try:
+            if not self._group_ready:
+                self.ensure_consumer_group()
+            self._read_dead_letters()
+            for record in self.ledger.unqueued():
+                self._enqueue(record)
+            self._requeue_stalled()
+            missing = self.settings.outstanding - len(self.ledger.outstanding())
+            for _ in range(max(0, missing)):
+                self._enqueue(self._new_group())
+        except (redis.RedisError, OSError) as exc:
+            if not self._redis_down:
+                log.warning("feeder: Redis unavailable (%s); retrying every tick", exc)
+            self._redis_down = True
+        else:
+            if self._redis_down:
+                log.info("feeder: Redis is back")
+            self._redis_down = False
+        self.metrics.outstanding.set(len(self.ledger.outstanding()))
+
+    def _new_group(self) -> GroupRecord:
+        index = self.position  # group index = the example's place in the prompt stream
+        example = self.stream.next()
+        self.position += 1
+        ids = self.tokenizer(example.prompt)["input_ids"]
+        record = GroupRecord(
+            index=index,
+            group_id=f"{self.settings.run_id}-{index:08d}",
+            prompt_token_ids=tuple(int(i) for i in ids),
+            n=self.settings.n,
+            answer=example.answer,
+            policy_version=self.policy_version(),
+            max_new_tokens=self.settings.sampling.max_new_tokens,
+            prompt_text=example.prompt,
+            created_at=time.time(),
+        )
+        self.ledger.add(record)
+        return record
+
+    def _enqueue(self, record: GroupRecord, attempt: int = 0) -> None:
+        group = PromptGroup(
+            group_id=record.group_id,
+            prompt_token_ids=record.prompt_token_ids,
+            n=record.n,
+            policy_version=record.policy_version,
+            sampling=self.settings.sampling,
+            created_at=record.created_at,
+            attempt=attempt,
+            prompt_text=record.prompt_text,
+        )
+        self.client.xadd(PROMPTS_STREAM, group.to_fields())
+        self.ledger.mark_queued(record.group_id)
+        self._queued_at[record.group_id] = time.monotonic()
+
+    def _requeue_stalled(self) -> None:
+        now = time.monotonic()
+        for record in self.ledger.outstanding():
+            since = self._queued_at.setdefault(record.group_id, now)  # after a restart: count from now
+            if now - since > self.settings.requeue_after_s and self.store.count(record.group_id) < record.n:
+                log.warning("group %s incomplete after %.0f s: enqueued again", record.group_id, now - since)
+                self._enqueue(record)
+
+    def _read_dead_letters(self) -> None:
+        while True:
+            entries = self.client.xrange(DEAD_LETTER_STREAM, min=f"({self._dead_cursor}", count=DEAD_READ_COUNT)
+            if not entries:
+                return
+            for entry_id, fields in entries:
+                self._dead_cursor = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                group_id, reason = _dead_group(fields)
+                if group_id and self.ledger.mark_dead(group_id, reason):
+                    self.metrics.groups_dead.inc()
+                    log.warning("group %s was dead-lettered: %s", group_id, reason or "no reason given")
+            if len(entries) < DEAD_READ_COUNT:
+                return
+
+
+def _dead_group(fields: dict) -> tuple[str | None, str]:
+    """(group id, reason) of a dead-letter entry: the group's JSON under `group`, or a bare `group_id` field."""
+    decoded = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode(errors="replace") if isinstance(v, bytes) else v)
+        for k, v in fields.items()
+    }
+    reason = decoded.get("reason", "")
+    try:
+        return PromptGroup.from_fields(decoded).group_id, reason
+    except WorkItemError:
+        return decoded.get("group_id"), reason
+
+
+def new_run_id() -> str:
+    """A short id that makes this run's group ids unique on a shared stream."""
+    return f"{random.SystemRandom().getrandbits(32):08x}"

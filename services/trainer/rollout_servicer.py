@@ -1,0 +1,106 @@
+"""RolloutService: generators stream trajectories; each is checked, stored durably and acked.
+
+One stream per generator: a hello first (answered with the versions the trainer publishes), then
+trajectories in any number. A bad trajectory is acked REJECTED with the reason and the stream goes
+on; a stream-level problem (no hello first, a message of neither kind, one over the size limit,
+which gRPC itself refuses) ends that stream alone with a gRPC status.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from services.api.sparrow.v1 import rollout_pb2, rollout_pb2_grpc
+from services.trainer.ledger import DEAD, FINISHED, TAKEN, GroupLedger
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.store import ACCEPTED, StoreError, TrajectoryStore
+from services.trainer.validate import MAX_ID_CHARS, Limits, check_against_group, check_structure
+from services.trainer.weight_servicer import WeightServicer
+
+log = logging.getLogger("sparrow.trainer.rollout")
+
+_STATUS = {
+    "accepted": rollout_pb2.ACK_STATUS_ACCEPTED,
+    "duplicate": rollout_pb2.ACK_STATUS_DUPLICATE,
+    "rejected": rollout_pb2.ACK_STATUS_REJECTED,
+}
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """Receives trajectories into the store for groups the ledger knows."""
+
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        ledger: GroupLedger,
+        weights: WeightServicer,
+        limits: Limits,
+        metrics: TrainerMetrics,
+    ) -> None:
+        self.store = store
+        self.ledger = ledger
+        self.weights = weights
+        self.limits = limits
+        self.metrics = metrics
+
+    def StreamTrajectories(self, request_iterator, context: grpc.ServicerContext):
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        if first.WhichOneof("item") != "hello":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with a hello")
+        generator = first.hello.generator_id
+        if not generator or len(generator) > MAX_ID_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello needs a generator_id of 1 to {MAX_ID_CHARS} chars")
+        log.info("generator %s connected (policy v%d)", generator, first.hello.versions.policy_version)
+        yield self._hello()
+        for request in request_iterator:
+            kind = request.WhichOneof("item")
+            if kind == "hello":  # a generator may ask again for the latest versions
+                yield self._hello()
+                continue
+            if kind != "trajectory":
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message must hold a hello or a trajectory")
+            t = request.trajectory
+            try:
+                status, reason = self.receive(t)
+            except StoreError as exc:
+                # Not the trajectory's fault: the generator reconnects and resends it.
+                log.error("cannot store trajectory %s: %s", t.trajectory_id, exc)
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer cannot store trajectories now: {exc}")
+            self.metrics.trajectories.labels(status=status).inc()
+            if status == "rejected":
+                log.info("rejected trajectory %s from %s: %s", t.trajectory_id, generator, reason)
+            yield rollout_pb2.StreamTrajectoriesResponse(
+                ack=rollout_pb2.TrajectoryAck(trajectory_id=t.trajectory_id, status=_STATUS[status], reason=reason)
+            )
+
+    def _hello(self) -> rollout_pb2.StreamTrajectoriesResponse:
+        return rollout_pb2.StreamTrajectoriesResponse(hello=rollout_pb2.TrainerHello(latest=self.weights.versions()))
+
+    def receive(self, t: rollout_pb2.Trajectory) -> tuple[str, str]:
+        """(status, reason) of one trajectory; stores it when it is accepted."""
+        latest = self.weights.versions()
+        reason = check_structure(t, self.limits, latest.policy_version, latest.adapter_version)
+        if reason is not None:
+            return "rejected", reason
+        if self.store.has_id(t.trajectory_id):
+            return "duplicate", "trajectory already stored"
+        state = self.ledger.state(t.group_id)
+        if state in FINISHED:
+            # Every slot of a trained (or dropped) group is filled: anything more for it is a resend.
+            return "duplicate", f"group {t.group_id} is already {state}"
+        group = self.ledger.get(t.group_id)
+        if group is None:
+            return "rejected", f"unknown group {t.group_id} (not enqueued by this trainer)"
+        if state == DEAD:
+            return "rejected", f"group {t.group_id} was dead-lettered: {self.ledger.dead_reason(t.group_id)}"
+        reason = check_against_group(t, group)
+        if reason is not None:
+            return "rejected", reason
+        if self.store.add(t) == ACCEPTED:
+            return "accepted", ""
+        note = "being trained now" if state == TAKEN else "already stored"
+        return "duplicate", f"sample {t.sample_index} of group {t.group_id} is {note}"

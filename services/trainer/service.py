@@ -1,0 +1,263 @@
+"""The trainer service assembled: model, store, ledger, feeder, servers, and the step loop.
+
+Start: load the model, resume the newest checkpoint (or start fresh), make sure the policy the run
+continues from is published under a version above every one published before (steps published
+after the checkpoint died with the crash), rebuild the store and ledger, start gRPC and /metrics.
+Loop: feed, wait for a batch, train, publish the next version, checkpoint every `checkpoint.every`
+steps, then compact the store and ledger down to what the oldest kept checkpoint has not trained.
+Stop (the steps are done, or `stop` is set by SIGTERM): checkpoint, end the watch streams, stop
+the server gracefully.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from services.trainer.checkpoint import CheckpointManager, TrainState
+from services.trainer.config import TrainerServiceConfig
+from services.trainer.ledger import TRAINED, GroupLedger
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.store import TrajectoryStore
+from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+
+log = logging.getLogger("sparrow.trainer")
+
+RUN_FILE = "run.json"
+ENDPOINTS_FILE = "endpoints.json"
+STEPS_FILE = "steps.jsonl"
+
+
+class TrainerService:
+    """One trainer process; `run` serves and trains until done or stopped."""
+
+    def __init__(self, config: TrainerServiceConfig) -> None:
+        from services.trainer.feeder import Feeder, FeedSettings
+        from services.trainer.step import StepRunner
+        from sparrow.tasks import ChainTask
+        from sparrow.work import Sampling
+        from trainer.grpo import GRPOConfig
+        from trainer.model_io import load_model, load_tokenizer
+        from trainer.rl_update import UpdateConfig
+
+        self.config = config
+        self.run_dir = Path(config.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.set_num_threads(config.threads)
+        self.metrics = TrainerMetrics(config.metrics.bin_width, config.metrics.num_bins)
+        self.model = load_model(config.model_dir, config.device)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        o = config.optim
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
+        )
+        self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.checkpoint.keep)
+        self.checkpoints.remove_unfinished()
+        resumed = self.checkpoints.load_latest(self.model, self.optimizer)
+        for group in self.optimizer.param_groups:  # the config's optimizer settings win over the checkpoint's
+            group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        self.state = resumed or TrainState(run_id=self._run_id())
+        self.weights = WeightStore(self.run_dir, config.weights.keep)
+        self._publish_start()
+        self.store = TrajectoryStore(self.run_dir)
+        self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
+        s = config.sampling
+        self.feeder = Feeder(
+            self._redis(),
+            self.ledger,
+            self.store,
+            self.tokenizer,
+            FeedSettings(
+                run_id=self.state.run_id,
+                task=ChainTask(config.task.pairs, config.task.max_hops, config.task.min_hops, config.task.name_pool),
+                seed=config.task.seed,
+                n=s.n,
+                sampling=Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs),
+                outstanding=config.outstanding_groups,
+                requeue_after_s=config.requeue_after_s,
+            ),
+            lambda: self.state.policy_version,
+            self.metrics,
+        )
+        self.feeder.restore(self.state.feeder)
+        g = config.grpo
+        update = UpdateConfig(
+            grpo=GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap),
+            temperature=s.temperature,
+            micro_batch_size=o.micro_batch_size,
+            max_grad_norm=o.max_grad_norm,
+        )
+        self.runner = StepRunner(
+            self.model,
+            self.optimizer,
+            self.tokenizer,
+            self.store,
+            self.ledger,
+            self.metrics,
+            update,
+            config.groups_per_step,
+            config.max_staleness,
+        )
+        self.metrics.policy_version.set(self.state.policy_version)
+        self._server = self._health = self._http = None
+        self.grpc_port = self.metrics_port = 0
+        self._last_checkpoint_step = self.state.step if resumed else -1
+        self._checkpoint_on_stop = True
+
+    def _run_id(self) -> str:
+        from services.trainer.feeder import new_run_id
+
+        path = self.run_dir / RUN_FILE
+        if path.is_file():
+            return json.loads(path.read_text())["run_id"]
+        run_id = new_run_id()
+        path.write_text(json.dumps({"run_id": run_id}) + "\n")
+        return run_id
+
+    def _redis(self):
+        import redis
+
+        return redis.Redis.from_url(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
+
+    def _publish_start(self) -> None:
+        latest = self.weights.latest(POLICY)
+        if latest and latest == self.state.policy_version:
+            return
+        # Fresh run: the starting model is version 1 (0 means "latest" on the wire). After a crash that
+        # outlived its checkpoint, the checkpoint's policy goes out under a version above every published one.
+        version = max(latest + 1, self.state.policy_version, 1)
+        if latest > self.state.policy_version:
+            log.warning("versions up to %d were published after the checkpoint; continuing as %d", latest, version)
+        self.publish(version)
+
+    def publish(self, version: int) -> None:
+        """Publish the current policy as `version` (every rank gathers; this one process writes)."""
+        state = gather_policy_state(self.model)
+        self.weights.publish(POLICY, version, lambda out: save_hf_policy(self.model, state, out, self.config.model_dir))
+        self.state.policy_version = version
+        self.metrics.policy_version.set(version)
+
+    # -- serving ----------------------------------------------------------------------------------
+
+    def start_servers(self) -> None:
+        """gRPC (RolloutService, WeightService, health, reflection) and /metrics."""
+        from services.api.sparrow.v1 import rollout_pb2_grpc, weights_pb2_grpc
+        from services.common.grpc_server import add_health_and_reflection, bind, build_server
+        from services.trainer.rollout_servicer import RolloutServicer
+        from services.trainer.validate import Limits
+        from services.trainer.weight_servicer import WeightServicer
+
+        c = self.config
+        security = c.security.grpc()
+        w = c.weights
+        weights = WeightServicer(self.weights, w.default_chunk_bytes, w.max_chunk_bytes)
+        limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
+        rollouts = RolloutServicer(self.store, self.ledger, weights, limits, self.metrics)
+        self._server = build_server(security, c.grpc.max_workers, c.grpc.max_message_bytes)
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollouts, self._server)
+        weights_pb2_grpc.add_WeightServiceServicer_to_server(weights, self._server)
+        self._health = add_health_and_reflection(
+            self._server, ["sparrow.v1.RolloutService", "sparrow.v1.WeightService"]
+        )
+        self.grpc_port = bind(self._server, c.grpc.address, security)
+        self._server.start()
+        self._http, self.metrics_port = self.metrics.serve(c.metrics.host, c.metrics.port)
+        host = c.grpc.address.rsplit(":", 1)[0]
+        endpoints = {"grpc": f"{host}:{self.grpc_port}", "metrics": f"{c.metrics.host}:{self.metrics_port}"}
+        (self.run_dir / ENDPOINTS_FILE).write_text(json.dumps(endpoints) + "\n")
+        log.info("serving gRPC on %s, /metrics on %s", endpoints["grpc"], endpoints["metrics"])
+
+    def run(self, stop: threading.Event) -> TrainState:
+        """Serve and train until `config.steps` are done or `stop` is set; checkpoint and stop cleanly."""
+        self.start_servers()
+        try:
+            while not stop.is_set() and not self._done():
+                self.feeder.tick()
+                batch, stale = self.runner.collect(self.state.policy_version)
+                self.state.dropped += stale
+                if batch is None:
+                    self.store.wait(self.config.poll_s)
+                    continue
+                self.train(batch)
+        except BaseException:
+            # The model may be part-way through an update: the last checkpoint is the state to resume.
+            self._checkpoint_on_stop = False
+            raise
+        finally:
+            self.shutdown()
+        return self.state
+
+    def _done(self) -> bool:
+        return self.config.steps > 0 and self.state.step >= self.config.steps
+
+    def train(self, batch: list[str]) -> None:
+        """One step on `batch`: update, publish, record, checkpoint when due."""
+        start = time.monotonic()
+        self.ledger.take(batch)
+        self.feeder.tick()  # top the queue up now, so generators keep busy while this step trains
+        try:
+            report = self.runner.run(self.state.step + 1, self.state.policy_version, batch)
+        except BaseException:
+            self.ledger.release(batch)
+            raise
+        self.state.step += 1
+        self.state.history.append(list(batch))
+        self.ledger.finish(batch, TRAINED)
+        self.publish(self.state.policy_version + 1)
+        if self.state.step % self.config.checkpoint.every == 0:
+            self.checkpoint()
+        report.seconds = time.monotonic() - start
+        self.metrics.step_seconds.observe(report.seconds)
+        self.metrics.steps.inc()
+        self.metrics.last_step.set(time.time())
+        with (self.run_dir / STEPS_FILE).open("a") as f:
+            f.write(json.dumps({**report.to_dict(), "published_version": self.state.policy_version}) + "\n")
+        p5 = " ".join(f"{b['bin']}:{b['p5']:.3f}" for b in report.alpha_bins)
+        log.info(
+            "step %d: reward %.3f acc %.2f len %.1f alpha mean %.4f p5 [%s] tis-clip %.3f kl %.4f stale %.2f "
+            "-> policy v%d (%.2f s)",
+            report.step, report.reward_mean, report.accuracy, report.response_length, report.alpha_mean, p5,
+            report.tis_clip_fraction, report.kl_rollout_dense, report.staleness, self.state.policy_version,
+            report.seconds,
+        )  # fmt: skip
+
+    def checkpoint(self) -> None:
+        """Save a checkpoint, then compact what every kept checkpoint records as finished."""
+        self.state.feeder = self.feeder.state()
+        self.checkpoints.save(self.model, self.optimizer, self.state)
+        self._last_checkpoint_step = self.state.step
+        oldest = self.checkpoints.oldest_state()
+        done = oldest.finished if oldest is not None else {}
+        dead = self.ledger.dead_ids()
+
+        def keep(gid: str) -> bool:
+            return gid not in done and gid not in dead
+
+        dropped = self.store.compact(keep)
+        self.ledger.compact(keep)
+        if dropped:
+            log.info("compacted %d trained trajectories out of the store", dropped)
+
+    def shutdown(self) -> None:
+        """Checkpoint (unless the last step's is current), end streams, stop servers, close files."""
+        from services.common.grpc_server import stop_gracefully
+
+        try:
+            if self._checkpoint_on_stop and self._last_checkpoint_step != self.state.step:
+                self.checkpoint()
+        finally:
+            self.weights.close()
+            if self._server is not None:
+                stop_gracefully(self._server, self._health, self.config.grpc.grace_s)
+            if self._http is not None:
+                self._http.shutdown()
+                self._http.server_close()
+            self.store.close()
+            self.ledger.close()
+            self.feeder.client.close()
+            log.info("trainer stopped at step %d, policy v%d", self.state.step, self.state.policy_version)

@@ -1,0 +1,183 @@
+"""One training step: pick complete groups, drop stale ones, reward, score densely, measure alpha, update.
+
+A group is ready when all its `n` samples are stored. One whose oldest sample's policy version
+lags the current policy by more than `max_staleness` versions is dropped (counted, never trained).
+The rest, oldest first, make the batch: rewards from the decoded responses against the answers the
+ledger kept, dense teacher-forced logprobs and top-k (the trainer's own model, dense attention, no
+adapter), alpha per token against the generators' top-k, the tail metrics per KV-length bin, and
+one GRPO + TIS update (trainer/rl_update.py, written for FSDP2 as well).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from services.api.sparrow.v1 import rollout_pb2
+from services.trainer.ledger import DROPPED, GroupLedger
+from services.trainer.metrics import TrainerMetrics
+from services.trainer.store import TrajectoryStore
+from sparrow import metrics_contract as mc
+from sparrow.acceptance import binned_stats
+from sparrow.rewards import chain_reward
+from trainer.batch import Rollout
+from trainer.grpo import group_advantages
+from trainer.rl_update import UpdateConfig, acceptance, dense_scores, grpo_update
+from trainer.scoring import Scorer
+
+log = logging.getLogger("sparrow.trainer.step")
+
+
+@dataclass
+class StepReport:
+    """The figures of one step, logged, exported and written to steps.jsonl."""
+
+    step: int
+    policy_version: int  # the version trained from; the step publishes policy_version + 1
+    groups: list[str]
+    samples: int
+    reward_mean: float
+    accuracy: float
+    response_length: float
+    staleness: float
+    alpha_mean: float
+    alpha_bins: list[dict] = field(default_factory=list)  # {bin, kv_start, tokens, mean, p5}
+    tis_clip_fraction: float = 0.0
+    kl_rollout_dense: float = 0.0
+    ppo_clip_fraction: float = 0.0
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    schedule_version: int = 0
+    seconds: float = 0.0  # the whole step: scoring, update, publishing and any checkpoint
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def to_rollout(t: rollout_pb2.Trajectory) -> Rollout:
+    """The learner's view of a wire trajectory."""
+    return Rollout(
+        group_id=t.group_id,
+        sample_index=t.sample_index,
+        prompt_ids=tuple(t.prompt_token_ids),
+        token_ids=tuple(t.token_ids),
+        logprobs=tuple(t.logprobs),
+        top_ids=tuple(tuple(top.token_ids) for top in t.top_logprobs),
+        top_logprobs=tuple(tuple(top.logprobs) for top in t.top_logprobs),
+        kv_budgets=tuple(t.kv_budgets),
+        policy_version=t.versions.policy_version,
+        schedule_version=t.versions.schedule_version,
+    )
+
+
+class StepRunner:
+    """Selects each step's groups and trains on them."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        tokenizer,
+        store: TrajectoryStore,
+        ledger: GroupLedger,
+        metrics: TrainerMetrics,
+        update: UpdateConfig,
+        groups_per_step: int,
+        max_staleness: int,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scorer = Scorer(model)  # the policy itself, dense attention: the "old" logprobs of this step
+        self.tokenizer = tokenizer
+        self.store = store
+        self.ledger = ledger
+        self.metrics = metrics
+        self.update = update
+        self.groups_per_step = groups_per_step
+        self.max_staleness = max_staleness
+        self._alpha_bins: set[int] = set()
+
+    def collect(self, policy_version: int) -> tuple[list[str] | None, list[str]]:
+        """(the next batch's group ids or None when not enough are complete, groups dropped as stale now)."""
+        ready, stale = [], []
+        for record in self.ledger.outstanding():
+            if self.store.count(record.group_id) < record.n:
+                continue
+            oldest = min(t.versions.policy_version for t in self.store.samples(record.group_id))
+            if policy_version - oldest > self.max_staleness:
+                stale.append(record.group_id)
+                continue
+            if len(ready) < self.groups_per_step:
+                ready.append(record.group_id)
+        if stale:
+            self.ledger.finish(stale, DROPPED)
+            self.metrics.dropped_stale.inc(len(stale))
+            log.warning("dropped %d stale group(s) (lag > %d versions)", len(stale), self.max_staleness)
+        return (ready if len(ready) == self.groups_per_step else None), stale
+
+    def run(self, step: int, policy_version: int, group_ids: list[str]) -> StepReport:
+        """Train on the groups (taken from the ledger by the caller); export and return the step's figures."""
+        start = time.monotonic()
+        rollouts, rewards, advantages = [], [], []
+        for gid in group_ids:
+            record = self.ledger.get(gid)
+            samples = self.store.samples(gid)
+            group_rewards = [
+                chain_reward(self.tokenizer.decode(list(t.token_ids), skip_special_tokens=True), record.answer)
+                for t in samples
+            ]
+            rollouts += [to_rollout(t) for t in samples]
+            rewards += group_rewards
+            advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
+        mb = self.update.micro_batch_size
+        dense = dense_scores(self.scorer, rollouts, self.update.temperature, mb)
+        acc = acceptance(rollouts, dense)
+        stats = grpo_update(
+            self.model, self.optimizer, rollouts, [d.logprobs for d in dense], torch.cat(advantages), self.update
+        )
+        schedule_version = min(r.schedule_version for r in rollouts)
+        tail = self.metrics.tail
+        self.metrics.tail.record_step(acc.alpha, acc.kv_lens, schedule_version)
+        bins = binned_stats(acc.alpha, acc.kv_lens, tail.bin_width, tail.quantile, tail.num_bins)
+        report = StepReport(
+            step=step,
+            policy_version=policy_version,
+            groups=list(group_ids),
+            samples=len(rollouts),
+            reward_mean=sum(rewards) / len(rewards),
+            accuracy=sum(r == 1.0 for r in rewards) / len(rewards),
+            response_length=sum(len(r.token_ids) for r in rollouts) / len(rollouts),
+            staleness=sum(policy_version - r.policy_version for r in rollouts) / len(rollouts),
+            alpha_mean=float(acc.alpha.double().mean()),
+            alpha_bins=[
+                {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile}
+                for b in bins
+            ],
+            tis_clip_fraction=stats.get("tis_clip_fraction", 0.0),
+            kl_rollout_dense=stats.get("kl_rollout_dense", 0.0),
+            ppo_clip_fraction=stats.get("ppo_clip_fraction", 0.0),
+            loss=stats.get("loss", 0.0),
+            grad_norm=stats.get("grad_norm", 0.0),
+            schedule_version=schedule_version,
+            seconds=time.monotonic() - start,
+        )
+        self._export(report)
+        return report
+
+    def _export(self, r: StepReport) -> None:
+        m = self.metrics
+        m.reward_mean.set(r.reward_mean)
+        m.accuracy.set(r.accuracy)
+        m.response_length.set(r.response_length)
+        m.tis_clip.set(r.tis_clip_fraction)
+        m.kl.set(r.kl_rollout_dense)
+        m.staleness.set(r.staleness)
+        now = {b["bin"]: b["mean"] for b in r.alpha_bins}
+        # A bin this step left empty reads NaN, as the p5 gauge does: no stale mean is mistaken for a fresh one.
+        for index in sorted(self._alpha_bins | set(now)):
+            m.alpha_mean.labels(**{mc.BIN_LABEL: mc.bin_label(index)}).set(now.get(index, math.nan))
+        self._alpha_bins |= set(now)

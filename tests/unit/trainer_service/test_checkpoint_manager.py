@@ -1,0 +1,106 @@
+"""Checkpoints: model, optimizer and run state round-trip; newest K kept; a damaged newest one is skipped."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.trainer.checkpoint import CheckpointError, CheckpointManager, TrainState
+from trainer.model_io import load_model
+
+TINY = Path(__file__).resolve().parents[3] / "models" / "tiny"
+
+
+def _trained_step(model, optimizer, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=gen)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _fresh():
+    model = load_model(TINY)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _state(step: int) -> TrainState:
+    return TrainState(
+        run_id="abcd",
+        step=step,
+        policy_version=step + 1,
+        feeder={"position": 10 * step, "rng": [3, [1, 2], None]},
+        history=[[f"g{s}-a", f"g{s}-b"] for s in range(step)],
+        dropped=["late"],
+    )
+
+
+def test_round_trip_of_model_optimizer_and_state(tmp_path):
+    model, opt = _fresh()
+    _trained_step(model, opt, 0)
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(model, opt, _state(1))
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = opt.state_dict()["state"][0]["exp_avg"].clone()
+
+    model2, opt2 = _fresh()
+    state = CheckpointManager(tmp_path, keep=2).load_latest(model2, opt2)
+    assert state == _state(1)
+    assert state.finished == {"g0-a": "trained", "g0-b": "trained", "late": "dropped"}
+    assert all(torch.equal(expected[k], v) for k, v in model2.state_dict().items())
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], moments)
+    # Both continue identically from here: the optimizer state is whole, not just the weights.
+    _trained_step(model, opt, 1)
+    _trained_step(model2, opt2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+
+
+def test_only_the_newest_are_kept_and_a_damaged_newest_is_skipped(tmp_path):
+    model, opt = _fresh()
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        _trained_step(model, opt, step)
+        manager.save(model, opt, _state(step))
+        if step == 2:
+            at_two = {k: v.clone() for k, v in model.state_dict().items()}
+    assert [p.name for p in manager.checkpoints()] == ["step-000000002", "step-000000003"]
+    assert manager.oldest_state().step == 2
+    newest = manager.checkpoints()[-1]
+    for shard in (newest / "state").glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    model2, opt2 = _fresh()
+    state = manager.load_latest(model2, opt2)
+    assert state.step == 2
+    assert all(torch.equal(at_two[k], v) for k, v in model2.state_dict().items())
+
+
+def test_unfinished_checkpoints_are_invisible_and_removed(tmp_path):
+    model, opt = _fresh()
+    manager = CheckpointManager(tmp_path, keep=3)
+    done = manager.save(model, opt, _state(1))
+    shutil.copytree(done, tmp_path / ".tmp-step-000000002-deadbeef")  # a crash before the rename
+    (tmp_path / "step-000000003").mkdir()  # no meta, no state: not a checkpoint
+    assert [p.name for p in manager.checkpoints()] == ["step-000000001"]
+    CheckpointManager(tmp_path, keep=3)  # a reader leaves a checkpoint being written alone
+    assert (tmp_path / ".tmp-step-000000002-deadbeef").exists()
+    manager.remove_unfinished()  # the writer, at its start, clears what a crash left
+    assert not (tmp_path / ".tmp-step-000000002-deadbeef").exists()
+    assert CheckpointManager(tmp_path, keep=3).load_latest(*_fresh()).step == 1
+
+
+def test_checkpoints_that_none_loads_stop_the_start(tmp_path):
+    model, opt = _fresh()
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(model, opt, _state(1))
+    for shard in (manager.checkpoints()[0] / "state").glob("*.distcp"):
+        shard.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="no checkpoint under .* loads"):
+        manager.load_latest(*_fresh())
+
+
+def test_no_checkpoint_means_a_fresh_start(tmp_path):
+    assert CheckpointManager(tmp_path, keep=1).load_latest(*_fresh()) is None
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointManager(tmp_path, keep=0)
