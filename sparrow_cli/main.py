@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "model": "sparrow_cli.model_cmd",
     "controller": "sparrow_cli.controller_cmd",
     "calibrate": "sparrow_cli.calibrate_cmd",
+    "trainer": "sparrow_cli.trainer_cmd",
+    "generator": "sparrow_cli.generator_cmd",
 }
 
 

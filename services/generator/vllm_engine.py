@@ -73,9 +73,13 @@ class VllmEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+        # vLLM's own log config writes to stdout, which belongs to the caller (e.g. `--json` output).
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        overrides = {}
         if config.max_model_len > _max_positions(config.model):
-            # Our small models are trained short; RoPE extrapolates and the engine must allow it.
-            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+            # RoPE has no length limit, but vLLM sizes its cos/sin table by max_position_embeddings and
+            # goes wrong past it; the trainer's transformers scoring computes any position.
+            overrides["max_position_embeddings"] = config.max_model_len
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -98,6 +102,7 @@ class VllmEngine(RolloutEngine):
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
             seed=config.seed,
+            hf_overrides=overrides or None,
         )
         self._engine = LLMEngine.from_engine_args(args)
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))

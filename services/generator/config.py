@@ -1,0 +1,157 @@
+"""The generator's config: one typed model (sparrow.config) covering the queue, the trainer link, the engine."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+
+from services.common.grpc_server import GrpcSecurity
+from sparrow.config import ConfigSection, SparrowConfig
+from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM
+
+
+def default_generator_id() -> str:
+    """hostname-pid: unique per process on a cluster, readable in Redis consumer lists."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class QueueConfig(ConfigSection):
+    """The Redis Stream of prompt groups and the retry policy."""
+
+    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the work stream and the schedule keys.")
+    stream: str = Field(PROMPTS_STREAM, description="Stream the trainer enqueues prompt groups on.")
+    group: str = Field(GENERATOR_GROUP, description="Consumer group shared by every generator.")
+    dead_letter_stream: str = Field(DEAD_LETTER_STREAM, description="Where groups that cannot be generated go.")
+    claim_idle_s: float = Field(
+        60.0, gt=0, description="An entry pending this long without a heartbeat is reclaimed from a dead generator."
+    )
+    max_attempts: int = Field(
+        3, ge=1, description="Deliveries that may end in a trainer rejection; the last one's group is dead-lettered."
+    )
+    max_deliveries: int = Field(
+        5, ge=1, description="An entry delivered (claimed) more often than this is dead-lettered as poison."
+    )
+    read_block_ms: int = Field(100, ge=1, description="How long an idle generator blocks on XREADGROUP (ms).")
+    socket_timeout_s: float = Field(5.0, gt=0, description="Timeout of one Redis command, seconds.")
+
+
+class TrainerConfig(ConfigSection):
+    """The trainer's RolloutService (trajectories) and WeightService (policy and adapter files)."""
+
+    address: str = Field("127.0.0.1:50051", description="host:port of the trainer's RolloutService.")
+    weights_address: str = Field("", description="host:port of the WeightService; empty: the same as address.")
+    reconnect_initial_s: float = Field(0.2, gt=0, description="First reconnect delay after the stream breaks.")
+    reconnect_max_s: float = Field(10.0, gt=0, description="Cap of the exponential reconnect delay.")
+    weights_dir: str = Field(
+        "", description="Folder fetched versions are written to; empty: a folder in the system temp dir."
+    )
+    fetch_chunk_bytes: int = Field(4 << 20, ge=1024, description="Chunk size asked for when fetching weights.")
+    fetch_timeout_s: float = Field(600.0, gt=0, description="Deadline of one policy or adapter download.")
+    follow_versions: bool = Field(
+        True, description="Fetch and load new versions as the trainer announces them (WatchVersions, hello)."
+    )
+
+    @property
+    def weights_target(self) -> str:
+        """Where the WeightService answers."""
+        return self.weights_address or self.address
+
+
+class SecurityConfig(ConfigSection):
+    """Service token and TLS for every gRPC call, served or made."""
+
+    token: SecretStr | None = Field(
+        None, description="Shared service token (bearer metadata); set SPARROW_SECURITY__TOKEN rather than the file."
+    )
+    tls_cert: str = Field("", description="PEM certificate of the control server (TLS when set).")
+    tls_key: str = Field("", description="PEM private key of the control server.")
+    tls_ca: str = Field("", description="PEM CA bundle that signed the trainer's certificate (TLS client side).")
+
+    def _token(self) -> str:
+        return self.token.get_secret_value() if self.token is not None else ""
+
+    def server(self) -> GrpcSecurity:
+        """Settings of the control server: TLS when a certificate is set."""
+        return GrpcSecurity(token=self._token(), tls_cert=self.tls_cert, tls_key=self.tls_key)
+
+    def client(self) -> GrpcSecurity:
+        """Settings of calls to the trainer: TLS when a CA (or our own certificate) is set."""
+        return GrpcSecurity(token=self._token(), tls_cert=self.tls_cert, tls_ca=self.tls_ca)
+
+
+class EngineConfig(ConfigSection):
+    """Which engine generates, and its limits."""
+
+    kind: Literal["vllm", "reference"] = Field(
+        "vllm", description="vllm (production) or reference (the project's own torch decode loop, slow, no vLLM)."
+    )
+    model_dir: str = Field("models/small", description="HF-format policy checkpoint the engine starts from.")
+    policy_version: int = Field(
+        0, ge=0, description="Reference engine only: version number of the starting checkpoint (vLLM starts at 0)."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and KV dtype.")
+    max_num_seqs: int = Field(256, ge=1, description="Sequences the engine batches at once.")
+    max_model_len: int = Field(40960, ge=16, description="Longest sequence (prompt + response) in tokens.")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use.")
+    enable_lora: bool = Field(True, description="vLLM only: start with LoRA support (DistillSparse adapters).")
+    max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
+    seed: int = Field(0, ge=0, description="Seed of the engine's sampler.")
+    device: str = Field("auto", description="Reference engine only: cpu, cuda, or auto (cuda when present).")
+    kernel_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="Reference engine only: which sparse-attention kernels run (see kernels.backend)."
+    )
+
+
+class ScheduleConfig(ConfigSection):
+    """Where the sparsity schedule comes from."""
+
+    initial: str = Field(
+        "", description="Preset name or schedule JSON file used until Redis holds one; empty: dense attention."
+    )
+    follow_redis: bool = Field(True, description="Apply the controller's versions from Redis (key + pub/sub).")
+    poll_s: float = Field(10.0, gt=0, description="Backstop: re-read the schedule key this often (seconds).")
+
+
+class EndpointConfig(ConfigSection):
+    """A listening address."""
+
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(0, ge=0, le=65535, description="Port; 0 picks a free one (logged at start).")
+
+
+class GeneratorConfig(SparrowConfig):
+    """The generator service's whole config (TOML file, SPARROW_* environment, flags)."""
+
+    generator_id: str = Field(
+        default_factory=default_generator_id,
+        min_length=1,
+        max_length=200,
+        description="This generator's name: its Redis consumer, its hello to the trainer (default hostname-pid).",
+    )
+    max_in_flight_groups: int = Field(8, ge=1, description="Prompt groups claimed and not yet acked, at most.")
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM or Drain: seconds in-flight groups may finish before being handed back."
+    )
+    queue: QueueConfig = Field(default_factory=QueueConfig, description="Work stream and retry policy.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer's gRPC services.")
+    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="The rollout engine.")
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Sparsity schedule source.")
+    metrics: EndpointConfig = Field(
+        default_factory=lambda: EndpointConfig(port=9400), description="Prometheus /metrics exporter."
+    )
+    control: EndpointConfig = Field(
+        default_factory=lambda: EndpointConfig(port=50061), description="GeneratorControl gRPC server."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GeneratorConfig:
+        s = self.security
+        if bool(s.tls_cert) != bool(s.tls_key):
+            raise ValueError("security.tls_cert and security.tls_key must be set together")
+        if self.trainer.reconnect_initial_s > self.trainer.reconnect_max_s:
+            raise ValueError("trainer.reconnect_initial_s is above trainer.reconnect_max_s")
+        return self

@@ -1,0 +1,155 @@
+"""`GeneratorControl`: set the schedule, load versions, drain and read the status of a running generator.
+
+Every call that changes the engine is carried out by the engine thread (`GeneratorService.call`);
+bad requests answer INVALID_ARGUMENT, refusals (a schedule or adapter the engine will not take, a
+download that fails verification) FAILED_PRECONDITION, and an unreachable trainer UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import grpc
+
+from services.api.sparrow.v1 import common_pb2, generator_pb2, generator_pb2_grpc
+from services.common.grpc_server import (
+    GrpcSecurity,
+    add_health_and_reflection,
+    bind,
+    build_server,
+    stop_gracefully,
+)
+from services.generator.engine import EngineError
+from services.generator.service import GeneratorService
+from services.generator.weight_fetch import WeightFetchError, WeightsUnavailable
+from sparrow.schedule import Schedule, ScheduleError
+
+log = logging.getLogger("sparrow.generator.control")
+
+SERVICE_NAME = "sparrow.v1.GeneratorControl"
+CALL_TIMEOUT_S = 600.0  # a policy download and load may take minutes
+
+
+def schedule_from_proto(message: common_pb2.Schedule) -> Schedule:
+    """The core schedule of a wire schedule; ScheduleError (one line) when it breaks a rule."""
+    return Schedule(
+        budgets=tuple(message.budgets),
+        bin_width=message.bin_width,
+        page_size=message.page_size,
+        sink_blocks=message.sink_blocks,
+        local_blocks=message.local_blocks,
+        dense_layers=tuple(message.dense_layers),
+        version=message.version,
+        name=message.name or None,
+    )
+
+
+def schedule_to_proto(schedule: Schedule | None) -> common_pb2.Schedule:
+    """The wire form of a schedule (an empty message for dense attention)."""
+    if schedule is None:
+        return common_pb2.Schedule()
+    return common_pb2.Schedule(
+        budgets=schedule.budgets,
+        bin_width=schedule.bin_width,
+        page_size=schedule.page_size,
+        sink_blocks=schedule.sink_blocks,
+        local_blocks=schedule.local_blocks,
+        dense_layers=schedule.dense_layers,
+        version=schedule.version,
+        name=schedule.name or "",
+    )
+
+
+def _versions(service: GeneratorService) -> common_pb2.Versions:
+    v = service.serving
+    return common_pb2.Versions(
+        policy_version=v.policy_version, adapter_version=v.adapter_version, schedule_version=v.schedule_version
+    )
+
+
+class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
+    """The control API of one generator, backed by its service loop."""
+
+    def __init__(self, service: GeneratorService) -> None:
+        self.service = service
+
+    def SetSchedule(self, request, context):
+        """Validate the schedule and apply it from the next engine step."""
+        if not request.HasField("schedule"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule is required")
+        if request.HasField("probe") and request.probe.share > 0:
+            # The engine interface has no per-sequence budget override yet; accepting would be a lie.
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "probes are not supported by this generator's engine")
+        try:
+            schedule = schedule_from_proto(request.schedule)
+        except ScheduleError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid schedule: {exc}")
+        try:
+            version = self.service.call(lambda: self.service.apply_schedule(schedule), CALL_TIMEOUT_S)
+        except (EngineError, ValueError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule: {exc}")
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info("schedule v%d set through the control API", version)
+        return generator_pb2.SetScheduleResponse(schedule_version=version)
+
+    def LoadVersions(self, request, context):
+        """Fetch and load the asked versions now; answers with what is served afterwards."""
+        if request.policy_version < 0 or request.adapter_version < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "versions must be >= 0")
+        sync = self.service.sync
+        if sync is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this generator fetches no weights (no trainer)")
+        try:
+            sync.load_now(request.policy_version, request.adapter_version)
+        except WeightsUnavailable as exc:
+            context.abort(exc.code, str(exc))
+        except (WeightFetchError, EngineError) as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return generator_pb2.LoadVersionsResponse(serving=_versions(self.service))
+
+    def Drain(self, request, context):
+        """Stop claiming; answers once in-flight groups finished or were handed back (0 s: the configured grace)."""
+        grace = request.grace_seconds
+        if not math.isfinite(grace) or grace < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_seconds must be a finite number >= 0")
+        future = self.service.request_drain(grace or None)
+        wait = (grace or self.service.config.drain_grace_s) + 60.0
+        try:
+            finished, returned = future.result(wait)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"drain did not complete: {exc}")
+        return generator_pb2.DrainResponse(groups_finished=finished, groups_returned=returned)
+
+    def GetStatus(self, request, context):
+        """Identity, versions, schedule, in-flight sequences and whether it is draining."""
+        s = self.service
+        return generator_pb2.GetStatusResponse(
+            generator_id=s.generator_id,
+            serving=_versions(s),
+            in_flight_sequences=s.in_flight_sequences,
+            draining=s.draining,
+            schedule=schedule_to_proto(s.schedule),
+        )
+
+
+class ControlServer:
+    """The GeneratorControl gRPC server with health, reflection and the service token."""
+
+    def __init__(self, service: GeneratorService, security: GrpcSecurity, host: str, port: int) -> None:
+        self.server = build_server(security, max_workers=8)
+        generator_pb2_grpc.add_GeneratorControlServicer_to_server(GeneratorControlServicer(service), self.server)
+        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
+        self.port = bind(self.server, f"{host}:{port}", security)
+
+    def start(self) -> ControlServer:
+        """Start serving; returns self."""
+        self.server.start()
+        return self
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Report NOT_SERVING, let calls finish for `grace_s`, stop."""
+        stop_gracefully(self.server, self.health, grace_s)

@@ -1,0 +1,182 @@
+"""Assembles a generator from its config (engine, queue, trainer stream, weights, schedule, servers) and runs it."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from services.generator.config import GeneratorConfig
+from services.generator.engine import EngineError, RolloutEngine
+
+log = logging.getLogger("sparrow.generator")
+
+
+class SetupError(ValueError):
+    """The config names something unusable (a model folder, a schedule, a busy port); one line."""
+
+
+def build_engine(config: GeneratorConfig) -> RolloutEngine:
+    """The engine the config asks for, loaded and ready."""
+    e = config.engine
+    if not Path(e.model_dir).is_dir():
+        raise SetupError(f"engine.model_dir {e.model_dir}: no such folder")
+    if e.kind == "reference":
+        if e.dtype not in ("auto", "float32"):
+            raise SetupError(f"the reference engine runs float32 only; engine.dtype is {e.dtype}")
+        from services.generator.reference_engine import ReferenceEngine
+
+        try:
+            return ReferenceEngine(
+                e.model_dir, e.device, e.kernel_backend, e.seed, e.max_model_len, e.max_lora_rank, e.policy_version
+            )
+        except EngineError as exc:
+            raise SetupError(str(exc)) from None
+    try:
+        from services.generator.vllm_engine import VllmEngine, VllmEngineConfig
+    except ImportError as exc:
+        hint = "engine.kind = 'reference' needs no vLLM"
+        raise SetupError(f"the vllm engine cannot be imported here ({exc}); {hint}") from None
+    try:
+        return VllmEngine(
+            VllmEngineConfig(
+                model=e.model_dir,
+                dtype=e.dtype,
+                max_model_len=e.max_model_len,
+                max_num_seqs=e.max_num_seqs,
+                gpu_memory_utilization=e.gpu_memory_utilization,
+                enable_lora=e.enable_lora,
+                max_lora_rank=e.max_lora_rank,
+                seed=e.seed,
+            )
+        )
+    except EngineError as exc:
+        raise SetupError(str(exc)) from None
+
+
+class Generator:
+    """Every part of one generator process, wired; `run()` blocks in the engine loop until drained."""
+
+    def __init__(self, config: GeneratorConfig, engine: RolloutEngine | None = None) -> None:
+        import redis
+
+        from services.generator.metrics import GeneratorMetrics
+        from services.generator.schedule_watch import ScheduleWatch
+        from services.generator.service import GeneratorService
+        from services.generator.trajectory_stream import Backoff
+        from services.generator.weight_fetch import VersionSync, VersionWatcher, WeightFetcher
+        from services.generator.work_queue import WorkQueue
+        from sparrow.presets import resolve_schedule
+        from sparrow.schedule import ScheduleError
+
+        self.config = config
+        try:
+            initial = resolve_schedule(config.schedule.initial) if config.schedule.initial else None
+        except ScheduleError as exc:
+            raise SetupError(f"schedule.initial: {exc}") from None
+        self.engine = engine if engine is not None else build_engine(config)
+        self.metrics = GeneratorMetrics()
+        q = config.queue
+        # A blocking XREADGROUP must not hit the socket timeout.
+        timeout = max(q.socket_timeout_s, q.read_block_ms / 1000 + 2)
+        self.redis = redis.Redis.from_url(q.url, socket_timeout=timeout, socket_connect_timeout=q.socket_timeout_s)
+        self.service = GeneratorService(
+            config, self.engine, WorkQueue(self.redis, q, config.generator_id, self.metrics), self.metrics
+        )
+        try:
+            self.service.apply_schedule(initial, swap=False)
+        except (EngineError, ValueError) as exc:
+            raise SetupError(f"schedule.initial: the engine refused it: {exc}") from None
+        t, client = config.trainer, config.security.client()
+        root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
+        fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
+        self.sync = VersionSync(fetcher, self.service.load, lambda: self.service.serving, self.metrics)
+        self.service.sync = self.sync
+        self.version_watch = (
+            VersionWatcher(
+                t.weights_target,
+                client,
+                config.generator_id,
+                self.sync.offer,
+                Backoff(t.reconnect_initial_s, t.reconnect_max_s),
+            )
+            if t.follow_versions
+            else None
+        )
+
+        def refused(message: str) -> None:
+            self.metrics.swaps.labels(kind="schedule", outcome="refused").inc()
+
+        s = config.schedule
+        self.schedule_watch = (
+            ScheduleWatch(q.url, self.service.set_schedule, s.poll_s, refused) if s.follow_redis else None
+        )
+        self.control = None
+        self.metrics_port = 0
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Open the servers and the watchers (the engine loop is `run`)."""
+        from services.generator.control import ControlServer
+
+        try:
+            self.metrics_port = self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
+            c = self.config.control
+            self.control = ControlServer(self.service, self.config.security.server(), c.host, c.port).start()
+        except OSError as exc:
+            self.close()
+            raise SetupError(f"cannot listen: {exc}") from None
+        self.sync.start()
+        for watcher in (self.version_watch, self.schedule_watch):
+            if watcher is not None:
+                watcher.start()
+        log.info(
+            "generator %s: metrics on port %d, control on port %d, trainer %s, queue %s",
+            self.config.generator_id,
+            self.metrics_port,
+            self.control.port,
+            self.config.trainer.address,
+            self.config.queue.stream,
+        )
+
+    def run(self) -> None:
+        """The engine loop, in this thread, until a drain that exits (SIGTERM) or `service.stop()`."""
+        try:
+            self.service.run()
+        finally:
+            self.close()
+
+    def run_in_background(self) -> threading.Thread:
+        """Start everything and the engine loop in a thread of its own (tests, embedding)."""
+        self.start()
+        self._thread = threading.Thread(target=self.run, name="generator-engine", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def close(self) -> None:
+        """Stop the watchers and servers and free the engine (idempotent)."""
+        for part in (self.schedule_watch, self.version_watch, self.sync):
+            if part is not None:
+                part.close()
+        if self.control is not None:
+            self.control.stop(1.0)
+            self.control = None
+        self.metrics.close()
+        self.redis.close()
+
+
+def serve(config: GeneratorConfig) -> None:
+    """Run a generator until SIGTERM (or SIGINT): drain, hand back what is unfinished, exit."""
+    log.info("config %s", config.dump())
+    generator = Generator(config)
+    generator.start()
+    previous = {sig: signal.signal(sig, generator.service.on_sigterm) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        generator.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        generator.engine.close()
+        log.info("generator %s stopped", config.generator_id)

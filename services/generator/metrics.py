@@ -1,0 +1,139 @@
+"""The generator's Prometheus metrics, on a registry of its own, served over HTTP.
+
+Names are fixed (dashboards are written against them); labels stay few-valued (a length bin, a
+mode, an outcome: never a generator or group id, Prometheus adds `instance` itself).
+
+A generated token is *sparse* when its KV budget was positive and below its context length (the
+KV length when it was produced); otherwise the step attended to everything (dense). The attended
+and context KV counters per length bin give, as a ratio of their rates, the share of the KV cache
+decode attention actually read in that bin.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from sparrow import metrics_contract as mc
+from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
+
+SWAP_KINDS = ("policy", "adapter", "schedule")
+SWAP_OUTCOMES = ("ok", "refused")
+TRAJECTORY_STATUSES = ("accepted", "duplicate", "rejected")
+GROUP_OUTCOMES = ("done", "retried", "dead_lettered", "reclaimed")
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class GeneratorMetrics:
+    """Tokens by attention mode, attended KV per bin, queue, in-flight, versions, swaps, outcomes, step time."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        b = [mc.BIN_LABEL]
+        self.tokens = Counter("sparrow_generator_tokens", "Generated tokens by attention mode.", ["mode"], registry=r)
+        self.attended_kv = Counter(
+            "sparrow_generator_attended_kv_tokens",
+            "KV tokens decode attention read, summed over generated tokens, per context-length bin.",
+            b,
+            registry=r,
+        )
+        self.context_kv = Counter(
+            "sparrow_generator_context_kv_tokens",
+            "KV tokens in context, summed over generated tokens, per context-length bin.",
+            b,
+            registry=r,
+        )
+        self.kv_budget = Gauge("sparrow_generator_kv_budget_tokens", "Schedule budget in force per bin.", b, registry=r)
+        self.queue_lag = Gauge(
+            "sparrow_generator_queue_lag_entries", "Stream entries not yet delivered to any generator.", registry=r
+        )
+        self.queue_wait = Histogram(
+            "sparrow_generator_queue_wait_seconds",
+            "Age of a stream entry when this generator claimed it.",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "sparrow_generator_in_flight_sequences", "Unfinished sequences in the engine.", registry=r
+        )
+        self.policy_version = Gauge("sparrow_generator_policy_version", "Policy version being served.", registry=r)
+        self.adapter_version = Gauge("sparrow_generator_adapter_version", "Adapter version (0: none).", registry=r)
+        self.schedule_version = Gauge("sparrow_generator_schedule_version", "Schedule version in force.", registry=r)
+        self.swaps = Counter(
+            "sparrow_generator_swaps", "Hot swaps by kind and outcome.", ["kind", "outcome"], registry=r
+        )
+        self.trajectories = Counter(
+            "sparrow_generator_trajectories", "Trajectories the trainer acked, by status.", ["status"], registry=r
+        )
+        self.groups = Counter("sparrow_generator_groups", "Prompt groups by outcome.", ["outcome"], registry=r)
+        self.step_seconds = Histogram(
+            "sparrow_generator_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
+        )
+        for mode in ("sparse", "dense"):
+            self.tokens.labels(mode=mode)
+        for kind in SWAP_KINDS:
+            for outcome in SWAP_OUTCOMES:
+                self.swaps.labels(kind=kind, outcome=outcome)
+        for status in TRAJECTORY_STATUSES:
+            self.trajectories.labels(status=status)
+        for outcome in GROUP_OUTCOMES:
+            self.groups.labels(outcome=outcome)
+        self._lock = threading.Lock()
+        self._bin_width = DEFAULT_BIN_WIDTH
+        self._num_bins: int | None = None
+        self._server = None
+
+    def show_schedule(self, schedule: Schedule | None) -> None:
+        """The schedule now in force: its version, its budget per bin, and the bins tokens are counted in."""
+        with self._lock:
+            self.kv_budget.clear()
+            if schedule is None:
+                self.schedule_version.set(0)
+                return
+            self._bin_width, self._num_bins = schedule.bin_width, schedule.num_bins
+            for i, budget in enumerate(schedule.budgets):
+                self.kv_budget.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(budget)
+            self.schedule_version.set(schedule.version)
+
+    def record_tokens(self, prompt_len: int, kv_budgets: list[int]) -> None:
+        """Count one response's tokens by mode, and attended and context KV per bin (token i saw prompt_len + i)."""
+        n = len(kv_budgets)
+        if n == 0:
+            return
+        budget = np.asarray(kv_budgets, dtype=np.int64)
+        context = prompt_len + np.arange(n, dtype=np.int64)
+        sparse = (budget > 0) & (budget < context)
+        attended = np.where(sparse, budget, context)
+        with self._lock:
+            width, num_bins = self._bin_width, self._num_bins
+        bins = context // width
+        if num_bins is not None:
+            bins = np.minimum(bins, num_bins - 1)
+        n_sparse = int(sparse.sum())
+        self.tokens.labels(mode="sparse").inc(n_sparse)
+        self.tokens.labels(mode="dense").inc(n - n_sparse)
+        for i in np.unique(bins).tolist():
+            mask = bins == i
+            label = {mc.BIN_LABEL: mc.bin_label(int(i))}
+            self.attended_kv.labels(**label).inc(int(attended[mask].sum()))
+            self.context_kv.labels(**label).inc(int(context[mask].sum()))
+
+    def show_versions(self, policy: int, adapter: int) -> None:
+        """The policy and adapter versions being served."""
+        self.policy_version.set(policy)
+        self.adapter_version.set(adapter)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP exporter; returns the port it listens on."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        """Stop the exporter."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,355 @@
+"""New policy and adapter versions from the trainer's WeightService: watch, fetch, verify, load.
+
+`WeightFetcher` downloads one version into a folder of its own, chunk by chunk straight to disk
+(a checkpoint never sits whole in memory), and checks every file's size and sha256 against the
+manifest. Anything wrong (a bad hash, a short or overlong file, a chunk for a file the manifest
+does not name, a path that leaves the folder) refuses the whole version with one clear line and
+leaves nothing behind; the engine keeps serving what it had. Only a verified download is renamed
+into place.
+
+`VersionWatcher` follows `WatchVersions` (reconnecting with backoff); `VersionSync` turns the
+announced versions, and the trainer's hello, into fetch-then-load, one swap at a time. A version
+that was refused is not fetched again on its own (an explicit LoadVersions still may).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import grpc
+
+from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
+from services.common.grpc_server import GrpcSecurity, open_channel
+from services.generator.engine import EngineError, EngineVersions
+from services.generator.metrics import GeneratorMetrics
+from services.generator.trajectory_stream import Backoff
+
+log = logging.getLogger("sparrow.generator.weights")
+
+POLICY, ADAPTER = "policy", "adapter"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class WeightFetchError(RuntimeError):
+    """A version that could not be fetched or failed verification; nothing was written."""
+
+
+class WeightsUnavailable(WeightFetchError):
+    """The WeightService could not be reached or failed the call (worth retrying later); `code` is its status."""
+
+    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """A verified download: its folder and the manifest it matched."""
+
+    kind: str
+    version: int
+    folder: Path
+    manifest: weights_pb2.WeightManifest
+
+
+class WeightFetcher:
+    """Downloads policy and adapter versions into `root/<kind>-v<version>/`, verified."""
+
+    def __init__(
+        self, address: str, security: GrpcSecurity, root: Path, chunk_bytes: int = 4 << 20, timeout_s: float = 600.0
+    ) -> None:
+        self.address, self.security = address, security
+        self.root = Path(root)
+        self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
+
+    def fetch(self, kind: str, version: int) -> Fetched:
+        """Fetch `version` (0: the latest) of `kind` ("policy" or "adapter"); raises WeightFetchError."""
+        what = f"{kind} v{version}" if version else f"latest {kind}"
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=self.root))
+        channel = open_channel(self.address, self.security)
+        try:
+            stub = weights_pb2_grpc.WeightServiceStub(channel)
+            if kind == POLICY:
+                call = stub.FetchPolicy(weights_pb2.FetchPolicyRequest(version=version, chunk_bytes=self.chunk_bytes))
+            elif kind == ADAPTER:
+                call = stub.FetchAdapter(weights_pb2.FetchAdapterRequest(version=version, chunk_bytes=self.chunk_bytes))
+            else:
+                raise ValueError(f"unknown weight kind {kind!r}")
+            try:
+                manifest = _Download(tmp, version, what).run(call)
+            except grpc.RpcError as exc:
+                message = f"cannot fetch {what} from {self.address}: {exc.code().name} {exc.details()}"
+                raise WeightsUnavailable(message, exc.code()) from None
+            final = self.root / f"{kind}-v{manifest.version}"
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            return Fetched(kind, manifest.version, final, manifest)
+        finally:
+            channel.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Download:
+    """One fetch stream written into `folder`: the manifest, then each file's chunks in order."""
+
+    def __init__(self, folder: Path, version: int, what: str) -> None:
+        self.folder, self.version, self.what = folder, version, what
+        self.files: dict[str, weights_pb2.WeightFile] = {}
+        self.written: dict[str, int] = {}
+        self.hashes: dict[str, Any] = {}  # hashlib objects
+        self.current: str | None = None
+        self.handle = None
+
+    def run(self, call) -> weights_pb2.WeightManifest:
+        manifest = None
+        try:
+            for message in call:
+                kind = message.WhichOneof("item")
+                if kind == "manifest":
+                    if manifest is not None:
+                        self.fail("a second manifest arrived")
+                    manifest = message.manifest
+                    self.check_manifest(manifest)
+                elif kind == "chunk":
+                    if manifest is None:
+                        self.fail("a chunk arrived before the manifest")
+                    self.write(message.chunk)
+            if manifest is None:
+                self.fail("the stream ended without a manifest")
+            self.close_current()
+            for path, info in self.files.items():
+                self.finish(path, info)
+            return manifest
+        finally:
+            if self.handle is not None:
+                self.handle.close()
+
+    def fail(self, why: str):
+        raise WeightFetchError(f"{self.what} refused: {why}")
+
+    def check_manifest(self, manifest: weights_pb2.WeightManifest) -> None:
+        if self.version and manifest.version != self.version:
+            self.fail(f"the trainer sent version {manifest.version}")
+        if manifest.version <= 0:
+            self.fail(f"manifest version must be positive, got {manifest.version}")
+        if not manifest.files:
+            self.fail("the manifest lists no files")
+        for f in manifest.files:
+            parts = PurePosixPath(f.path).parts
+            if not f.path or f.path.startswith("/") or "\\" in f.path or ".." in parts or "." in parts:
+                self.fail(f"unsafe file path {f.path!r} in the manifest")
+            if f.path in self.files:
+                self.fail(f"{f.path} is listed twice in the manifest")
+            if f.size_bytes < 0:
+                self.fail(f"{f.path} has a negative size")
+            if not _SHA256.match(f.sha256):
+                self.fail(f"{f.path} has no valid sha256 in the manifest")
+            self.files[f.path] = f
+            self.written[f.path] = 0
+            self.hashes[f.path] = hashlib.sha256()
+
+    def write(self, chunk: weights_pb2.FileChunk) -> None:
+        info = self.files.get(chunk.path)
+        if info is None:
+            self.fail(f"a chunk for {chunk.path!r}, which the manifest does not list")
+        if chunk.offset != self.written[chunk.path]:
+            self.fail(f"{chunk.path}: chunk at offset {chunk.offset}, expected {self.written[chunk.path]}")
+        if self.written[chunk.path] + len(chunk.data) > info.size_bytes:
+            self.fail(f"{chunk.path}: more bytes than the {info.size_bytes} of the manifest")
+        if chunk.path != self.current:
+            self.close_current()
+            target = self.folder / chunk.path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.handle = target.open("ab")
+            self.current = chunk.path
+        self.handle.write(chunk.data)
+        self.hashes[chunk.path].update(chunk.data)
+        self.written[chunk.path] += len(chunk.data)
+
+    def close_current(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+        self.current = None
+
+    def finish(self, path: str, info: weights_pb2.WeightFile) -> None:
+        if self.written[path] != info.size_bytes:
+            self.fail(f"{path}: got {self.written[path]} bytes, the manifest says {info.size_bytes}")
+        digest = self.hashes[path].hexdigest()
+        if digest != info.sha256:
+            self.fail(f"{path}: sha256 {digest[:16]}... does not match the manifest's {info.sha256[:16]}...")
+        target = self.folder / path
+        if not target.exists():  # an empty file has no chunks
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.touch()
+
+
+class VersionWatcher:
+    """Follows WatchVersions and hands each announced `Versions` to `on_latest`; reconnects with backoff."""
+
+    def __init__(
+        self,
+        address: str,
+        security: GrpcSecurity,
+        generator_id: str,
+        on_latest: Callable[[int, int], None],
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.address, self.security, self.generator_id = address, security, generator_id
+        self.on_latest = on_latest
+        self._backoff = backoff or Backoff(0.2, 10.0)
+        self._closed = threading.Event()
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name="version-watch", daemon=True)
+
+    def start(self) -> VersionWatcher:
+        """Start following in the background; returns self."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop following."""
+        self._closed.set()
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            channel = open_channel(self.address, self.security)
+            try:
+                stub = weights_pb2_grpc.WeightServiceStub(channel)
+                self._call = stub.WatchVersions(weights_pb2.WatchVersionsRequest(generator_id=self.generator_id))
+                for response in self._call:
+                    self._backoff.reset()
+                    self.on_latest(response.latest.policy_version, response.latest.adapter_version)
+            except grpc.RpcError as exc:
+                if not self._closed.is_set():
+                    log.warning("version watch on %s broke: %s %s", self.address, exc.code(), exc.details())
+            except Exception:
+                log.exception("version watch failed")
+            finally:
+                self._call = None
+                channel.close()
+            if self._closed.wait(self._backoff.next()):
+                break
+
+
+class VersionSync:
+    """Brings the engine to the announced policy and adapter versions: fetch (here), load (engine thread).
+
+    `load(kind, folder, version)` must run the engine's load in its own thread and return the
+    serving versions, raising EngineError when the engine refuses.
+    """
+
+    def __init__(
+        self,
+        fetcher: WeightFetcher,
+        load: Callable[[str, Path, int], EngineVersions],
+        serving: Callable[[], EngineVersions],
+        metrics: GeneratorMetrics | None = None,
+    ) -> None:
+        self.fetcher, self.load, self.serving, self.metrics = fetcher, load, serving, metrics
+        self._want = {POLICY: 0, ADAPTER: 0}
+        self._refused: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
+        self._folders: dict[str, Path] = {}
+        self._cond = threading.Condition()
+        self._swap_lock = threading.Lock()  # one fetch + load at a time, whoever asks
+        self._closed = False
+        self._retry_backoff = Backoff(0.5, 10.0)
+        self._thread = threading.Thread(target=self._run, name="version-sync", daemon=True)
+
+    def start(self) -> VersionSync:
+        """Start the background swapper; returns self."""
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the background swapper (a swap under way finishes first)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(5)
+
+    def offer(self, policy_version: int, adapter_version: int) -> None:
+        """The trainer announced these versions (0: none); newer ones than served get fetched in the background."""
+        with self._cond:
+            self._want[POLICY] = max(self._want[POLICY], policy_version)
+            self._want[ADAPTER] = max(self._want[ADAPTER], adapter_version)
+            self._cond.notify_all()
+
+    def load_now(self, policy_version: int, adapter_version: int) -> EngineVersions:
+        """Fetch and load these versions now (0 leaves that part); raises WeightFetchError or EngineError."""
+        for kind, version in ((POLICY, policy_version), (ADAPTER, adapter_version)):
+            if version > 0:
+                self._swap(kind, version)
+        return self.serving()
+
+    def _behind(self) -> list[tuple[str, int]]:
+        serving = self.serving()
+        have = {POLICY: serving.policy_version, ADAPTER: serving.adapter_version}
+        return [(k, v) for k, v in self._want.items() if v > have[k] and v not in self._refused[k]]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._behind():
+                    self._cond.wait(1.0)  # also re-checks after a swap made elsewhere
+                if self._closed:
+                    return
+                todo = self._behind()
+            for kind, version in todo:
+                try:
+                    self._swap(kind, version)
+                except WeightsUnavailable as exc:  # the trainer may be restarting: try again later
+                    log.warning("%s", exc)
+                    with self._cond:
+                        self._cond.wait(self._retry_backoff.next())
+                except (WeightFetchError, EngineError) as exc:
+                    log.error("%s", exc)
+                    with self._cond:
+                        self._refused[kind].add(version)
+                except Exception:  # the engine thread may be gone (shutdown): never kill this thread
+                    log.exception("loading %s v%d failed", kind, version)
+                    with self._cond:
+                        self._refused[kind].add(version)
+
+    def _swap(self, kind: str, version: int) -> None:
+        with self._swap_lock:
+            try:
+                fetched = self.fetcher.fetch(kind, version)
+            except WeightsUnavailable:
+                raise  # not a refusal: nothing was judged
+            except WeightFetchError:
+                self._count(kind, "refused")
+                raise
+            try:
+                self.load(kind, fetched.folder, fetched.version)
+            except Exception:
+                self._count(kind, "refused")
+                shutil.rmtree(fetched.folder, ignore_errors=True)
+                raise
+            self._count(kind, "ok")
+            self._retry_backoff.reset()
+            log.info("now serving %s v%d", kind, fetched.version)
+            old = self._folders.get(kind)
+            if old is not None and old != fetched.folder:
+                shutil.rmtree(old, ignore_errors=True)  # the engine holds the new one (vLLM reads LoRA lazily)
+            self._folders[kind] = fetched.folder
+
+    def _count(self, kind: str, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.swaps.labels(kind=kind, outcome=outcome).inc()

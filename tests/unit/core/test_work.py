@@ -1,0 +1,82 @@
+"""The work contract: prompt groups round-trip through a stream entry; bad ones name their first bad field."""
+
+import json
+
+import pytest
+
+from sparrow.work import GROUP_FIELD, MAX_SAMPLES, PromptGroup, Sampling, WorkItemError
+
+
+def _group(**kw) -> PromptGroup:
+    base = dict(group_id="g-1", prompt_token_ids=(1, 5, 9), n=4, policy_version=3)
+    return PromptGroup(**{**base, **kw})
+
+
+def test_a_group_round_trips_through_its_stream_entry_with_bytes_or_str_keys():
+    g = _group(sampling=Sampling(temperature=0.7, top_p=0.9, max_new_tokens=64, top_logprobs=5), prompt_text="A B ;")
+    fields = g.to_fields()
+    assert set(fields) == {GROUP_FIELD}
+    assert PromptGroup.from_fields(fields) == g
+    assert PromptGroup.from_fields({GROUP_FIELD.encode(): fields[GROUP_FIELD].encode()}) == g
+
+
+def test_retried_advances_only_the_attempt():
+    g = _group(attempt=1)
+    r = g.retried()
+    assert r.attempt == 2 and r.group_id == g.group_id and r.prompt_token_ids == g.prompt_token_ids
+    assert g.attempt == 1  # frozen: the original is untouched
+
+
+def test_defaults_fill_in_and_integers_become_floats_in_sampling():
+    g = PromptGroup.from_json(json.dumps({"group_id": "x", "prompt_token_ids": [3], "n": 1, "policy_version": 0}))
+    assert g.sampling == Sampling() and g.attempt == 0 and g.created_at == 0.0
+    s = PromptGroup.from_json(
+        json.dumps(
+            {"group_id": "x", "prompt_token_ids": [3], "n": 1, "policy_version": 0, "sampling": {"temperature": 1}}
+        )
+    ).sampling
+    assert isinstance(s.temperature, float)
+
+
+def _bad(**kw):
+    d = json.loads(_group().to_json())
+    d.update(kw)
+    return json.dumps(d)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not json", "not JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        (_bad(colour="red"), "unknown fields: colour"),
+        (_bad(group_id=""), "group_id"),
+        (_bad(group_id="x" * 257), "group_id"),
+        (_bad(prompt_token_ids=[]), "prompt_token_ids must be a non-empty list"),
+        (_bad(prompt_token_ids=[1, -2]), "non-negative integers"),
+        (_bad(prompt_token_ids=[1, True]), "non-negative integers"),
+        (_bad(prompt_token_ids=[1, 2.5]), "non-negative integers"),
+        (_bad(n=0), "n must be"),
+        (_bad(n=MAX_SAMPLES + 1), "n must be"),
+        (_bad(n=True), "n must be"),
+        (_bad(policy_version=-1), "policy_version"),
+        (_bad(attempt=-1), "attempt"),
+        (_bad(created_at="yesterday"), "created_at"),
+        (_bad(prompt_text=5), "prompt_text"),
+        (_bad(sampling=[1]), "sampling must be an object"),
+        (_bad(sampling={"top_k": 5}), "sampling has unknown fields: top_k"),
+        (_bad(sampling={"temperature": 0}), r"temperature must be in \(0, 10\]"),
+        (_bad(sampling={"top_p": 1.5}), "top_p"),
+        (_bad(sampling={"max_new_tokens": 0}), "max_new_tokens"),
+        (_bad(sampling={"top_logprobs": 21}), "top_logprobs"),
+    ],
+)
+def test_bad_groups_are_refused_naming_the_field(text, message):
+    with pytest.raises(WorkItemError, match=message) as info:
+        PromptGroup.from_json(text)
+    assert "\n" not in str(info.value)
+
+
+def test_an_entry_without_the_group_field_is_refused():
+    with pytest.raises(WorkItemError, match="no 'group' field"):
+        PromptGroup.from_fields({b"other": b"{}"})

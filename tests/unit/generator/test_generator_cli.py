@@ -1,0 +1,48 @@
+"""`sparrow generator`: help, config resolution and one-line errors before anything starts."""
+
+import json
+
+from sparrow_cli.main import main
+from tests.cli_runner import sparrow
+
+
+def test_help_lists_the_flags():
+    result = sparrow("generator", "--help", timeout=60)
+    assert result.returncode == 0
+    for flag in ("--config", "--redis-url", "--trainer", "--engine", "--model", "--print-config"):
+        assert flag in result.stdout
+
+
+def test_print_config_applies_file_then_flags(capsys, tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text('max_in_flight_groups = 3\n[queue]\nclaim_idle_s = 9.0\n[engine]\nkind = "reference"\n')
+    flags = ["--redis-url", "redis://h:1/0", "--trainer", "t:5", "--generator-id", "g-7", "--print-config"]
+    assert main(["generator", "--config", str(path), *flags]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["max_in_flight_groups"] == 3 and config["queue"]["claim_idle_s"] == 9.0
+    assert config["queue"]["url"] == "redis://h:1/0" and config["trainer"]["address"] == "t:5"
+    assert config["generator_id"] == "g-7" and config["engine"]["kind"] == "reference"
+
+
+def _one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("sparrow generator: error: ") and "\n" not in err
+    return err
+
+
+def test_bad_configs_are_one_line_and_exit_2(capsys, tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text("[queue]\nclaim_idle = 3\n")
+    assert "unknown config key 'queue.claim_idle'" in _one_line_error(capsys, ["generator", "--config", str(path)])
+    path.write_text("[queue\n")
+    assert "malformed TOML" in _one_line_error(capsys, ["generator", "--config", str(path)])
+    assert "cannot read config file" in _one_line_error(capsys, ["generator", "--config", str(tmp_path / "none")])
+    err = _one_line_error(capsys, ["generator", "--engine", "reference", "--model", str(tmp_path / "missing")])
+    assert "engine.model_dir" in err and "no such folder" in err
+
+
+def test_an_unknown_initial_schedule_is_one_line(capsys, tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text('[schedule]\ninitial = "qwen3-1.7b-0.99"\n[engine]\nkind = "reference"\n')
+    assert "unknown schedule preset 'qwen3-1.7b-0.99'" in _one_line_error(capsys, ["generator", "--config", str(path)])

@@ -1,0 +1,84 @@
+"""The generator's config: the shipped TOML parses to the defaults, overrides apply, bad values are one line."""
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from services.generator.config import GeneratorConfig
+from sparrow.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+SHIPPED = ROOT / "services" / "generator" / "generator.toml"
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for key in ("SPARROW_SECURITY__TOKEN", "SPARROW_QUEUE__URL", "SPARROW_GENERATOR_ID"):
+        monkeypatch.delenv(key, raising=False)
+
+
+def test_shipped_config_parses_and_spells_out_every_default():
+    config = load_config(GeneratorConfig, SHIPPED)
+    assert config.model_dump(exclude={"generator_id"}) == GeneratorConfig().model_dump(exclude={"generator_id"})
+    written = tomllib.loads(SHIPPED.read_text())
+    dumped = config.model_dump()
+    for section, values in written.items():
+        if isinstance(values, dict):
+            assert set(values) | {"token"} >= set(dumped[section]) - {"token"}, f"[{section}] lacks a key"
+            for key, value in values.items():
+                assert dumped[section][key] == value, f"{section}.{key}"
+        else:
+            assert dumped[section] == values
+
+
+def test_generator_id_defaults_to_hostname_pid_and_differs_per_process():
+    import os
+    import socket
+
+    assert GeneratorConfig().generator_id == f"{socket.gethostname()}-{os.getpid()}"
+
+
+def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "s3cret")
+    monkeypatch.setenv("SPARROW_QUEUE__URL", "redis://elsewhere:6380/1")
+    config = load_config(GeneratorConfig, SHIPPED, {"engine.kind": "reference", "queue.claim_idle_s": 2.5})
+    assert config.queue.url == "redis://elsewhere:6380/1" and config.queue.claim_idle_s == 2.5
+    assert config.engine.kind == "reference"
+    assert config.security.client().token == "s3cret" and config.security.server().token == "s3cret"
+    dumped = config.dump()
+    assert "s3cret" not in dumped and json.loads(dumped)["security"]["token"] == "**********"
+
+
+def test_tls_settings_split_into_server_and_client_sides():
+    config = load_config(GeneratorConfig, overrides={"security.tls_cert": "c.pem", "security.tls_key": "k.pem"})
+    assert config.security.server().tls and config.security.server().tls_key == "k.pem"
+    only_ca = load_config(GeneratorConfig, overrides={"security.tls_ca": "ca.pem"})
+    assert only_ca.security.client().tls and not only_ca.security.server().tls
+
+
+def test_weights_address_defaults_to_the_trainer_address():
+    config = load_config(GeneratorConfig, overrides={"trainer.address": "t:1"})
+    assert config.trainer.weights_target == "t:1"
+    assert load_config(GeneratorConfig, overrides={"trainer.weights_address": "w:2"}).trainer.weights_target == "w:2"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"engine.kind": "sglang"}, "engine.kind"),
+        ({"queue.claim_idle_s": 0}, "queue.claim_idle_s"),
+        ({"queue.max_attempts": 0}, "queue.max_attempts"),
+        ({"max_in_flight_groups": 0}, "max_in_flight_groups"),
+        ({"security.tls_cert": "c.pem"}, "must be set together"),
+        ({"trainer.reconnect_initial_s": 20.0}, "reconnect_initial_s is above"),
+        ({"metrics.port": 70000}, "metrics.port"),
+        ({"queue.claim_idel_s": 1}, "unknown config key 'queue.claim_idel_s'"),
+        ({"generator_id": ""}, "generator_id"),
+    ],
+)
+def test_bad_values_are_one_line_errors(override, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(GeneratorConfig, overrides=override)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,77 @@
+"""The generator's metrics: exact names, sparse/dense token split, attended KV per bin, schedule gauges."""
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.generator.metrics import GeneratorMetrics
+from sparrow.schedule import Schedule
+
+NAMES = {
+    "sparrow_generator_tokens_total",
+    "sparrow_generator_attended_kv_tokens_total",
+    "sparrow_generator_context_kv_tokens_total",
+    "sparrow_generator_kv_budget_tokens",
+    "sparrow_generator_queue_lag_entries",
+    "sparrow_generator_queue_wait_seconds_count",
+    "sparrow_generator_in_flight_sequences",
+    "sparrow_generator_policy_version",
+    "sparrow_generator_adapter_version",
+    "sparrow_generator_schedule_version",
+    "sparrow_generator_swaps_total",
+    "sparrow_generator_trajectories_total",
+    "sparrow_generator_groups_total",
+    "sparrow_generator_step_seconds_count",
+}
+
+
+def _samples(metrics: GeneratorMetrics) -> dict[tuple[str, tuple], float]:
+    text = generate_latest(metrics.registry).decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_every_contract_name_is_exported_with_low_cardinality_labels():
+    m = GeneratorMetrics()
+    m.show_schedule(Schedule(budgets=(48, 64), bin_width=100))
+    m.record_tokens(10, [0, 48])
+    samples = _samples(m)
+    assert NAMES <= {name for name, _ in samples}
+    labels = {k for _, lbl in samples for k, _ in lbl}
+    assert labels <= {"mode", "bin", "kind", "outcome", "status", "le"}
+    assert samples[("sparrow_generator_swaps_total", (("kind", "adapter"), ("outcome", "refused")))] == 0
+
+
+def test_tokens_split_by_mode_and_attended_kv_per_bin():
+    m = GeneratorMetrics()
+    m.show_schedule(Schedule(budgets=(48, 64), bin_width=60))
+    # prompt 50: token i has 50 + i in context. Budgets as an engine reports them: the first token from the
+    # dense prefill (0), then the schedule's (48 below KV 60, 64 from there).
+    budgets = [0] + [48] * 9 + [64] * 10  # contexts 50..69
+    m.record_tokens(50, budgets)
+    s = _samples(m)
+    # sparse: budget > 0 and < context: contexts 51..59 under 48 (9 tokens), 65..69 under 64 (5 tokens)
+    assert s[("sparrow_generator_tokens_total", (("mode", "sparse"),))] == 14
+    assert s[("sparrow_generator_tokens_total", (("mode", "dense"),))] == 6
+    bin0 = 50 + sum(range(51, 60))  # bin 0: contexts 50..59; the first dense (50), then 48 each
+    assert s[("sparrow_generator_context_kv_tokens_total", (("bin", "0"),))] == bin0
+    assert s[("sparrow_generator_attended_kv_tokens_total", (("bin", "0"),))] == 50 + 48 * 9
+    # bin 1: contexts 60..69 under 64: 60..64 attend all of it, 65..69 attend 64
+    assert s[("sparrow_generator_context_kv_tokens_total", (("bin", "1"),))] == sum(range(60, 70))
+    assert s[("sparrow_generator_attended_kv_tokens_total", (("bin", "1"),))] == sum(range(60, 65)) + 64 * 5
+
+
+def test_lengths_past_the_last_bin_count_in_it_and_dense_schedule_clears_budgets():
+    m = GeneratorMetrics()
+    m.show_schedule(Schedule(budgets=(48,), bin_width=10, version=7))
+    m.record_tokens(100, [48, 48])
+    s = _samples(m)
+    assert s[("sparrow_generator_context_kv_tokens_total", (("bin", "0"),))] == 201
+    assert s[("sparrow_generator_kv_budget_tokens", (("bin", "0"),))] == 48
+    assert s[("sparrow_generator_schedule_version", ())] == 7
+    m.show_schedule(None)
+    s = _samples(m)
+    assert not any(name == "sparrow_generator_kv_budget_tokens" for name, _ in s)
+    assert s[("sparrow_generator_schedule_version", ())] == 0
