@@ -102,7 +102,7 @@ class VllmEngine(RolloutEngine):
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
             seed=config.seed,
-            hf_overrides=overrides or None,
+            hf_overrides=overrides,
         )
         self._engine = LLMEngine.from_engine_args(args)
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
@@ -118,6 +118,8 @@ class VllmEngine(RolloutEngine):
     def set_schedule(self, schedule: Schedule | None) -> None:
         if schedule is not None and not self.sparse_layers:
             raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
+        if schedule is not None and schedule.page_size != 16:
+            raise EngineError(f"the kernels select 16-token pages; schedule page_size is {schedule.page_size}")
         if self.sparse_layers:
             self._rpc("sparrow_set_schedule", None if schedule is None else schedule.to_json())
         self._schedule = schedule
