@@ -50,6 +50,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--gen-len", type=int, default=400, help="generated tokens per sequence (default 400)")
     q.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     q.add_argument("--json", action="store_true", help="print JSON")
+    d = sub.add_parser("distill", help="DistillSparse on a small model: p5 per bin before/after training the adapter")
+    d.add_argument("--model", default="models/small", help="HF model folder (default models/small)")
+    d.add_argument("--budgets", default="64,112,160,224", help="fixed schedule, tokens per bin, all layers sparse")
+    d.add_argument("--bin-width", type=int, default=128, help="KV-length bin of the schedule and the report (128)")
+    d.add_argument("--pairs", type=int, default=64, help="chain-task pairs per prompt (default 64)")
+    d.add_argument("--hops", type=int, default=60, help="hops per query: the generation length (default 60)")
+    d.add_argument("--steps", type=int, default=30, help="adapter training steps (default 30)")
+    d.add_argument("--groups", type=int, default=4, help="prompts per step (default 4)")
+    d.add_argument("--group-size", type=int, default=4, help="samples per prompt, GRPO's group (default 4)")
+    d.add_argument("--heldout", type=int, default=16, help="held-out prompts measured before and after (16)")
+    d.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    d.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    d.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj", help="LoRA target modules (q,k,v,o proj)")
+    d.add_argument("--lr", type=float, default=1e-4, help="adapter learning rate (default 1e-4)")
+    d.add_argument("--kl-coef", type=float, default=1.0, help="lambda of the k3 KL term (default 1.0)")
+    d.add_argument(
+        "--kl-estimator", choices=("k3", "full"), default="k3", help="k3 on sampled tokens (the paper's) or exact"
+    )
+    d.add_argument("--epochs", type=int, default=2, help="adapter optimizer steps per batch (default 2)")
+    d.add_argument("--seed", type=int, default=0, help="prompts, sampling and adapter initialisation (0)")
+    d.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    d.add_argument("--out", default=None, help="write the whole report here (JSON)")
+    d.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    d.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)
 
 
@@ -61,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         from sparrow_cli.bench_engine_cmd import run_engine_bench
 
         return run_engine_bench(args)
+    if args.bench == "distill":
+        from sparrow_cli.bench_distill_cmd import run_distill
+
+        return run_distill(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 

@@ -111,6 +111,7 @@ class VllmEngine(RolloutEngine):
         self._versions = EngineVersions()
         self._schedule: Schedule | None = None
         self._lora = None
+        self._lora_loads = 0
         self.set_schedule(schedule)
 
     # -- hot swaps ---------------------------------------------------------------------------------
@@ -141,7 +142,10 @@ class VllmEngine(RolloutEngine):
         from vllm.lora.request import LoRARequest
 
         check_adapter(Path(folder), self.config.max_lora_rank)
-        request = LoRARequest(f"sparrow-adapter-{version}", int(version), str(folder))
+        # A fresh LoRA id per load, not the version: vLLM skips an add_lora whose id it already holds,
+        # so a version number reused (a new trainer run) would keep serving the old weights.
+        self._lora_loads += 1
+        request = LoRARequest(f"sparrow-adapter-{version}-{self._lora_loads}", self._lora_loads, str(folder))
         try:
             self._engine.add_lora(request)
         except Exception as exc:

@@ -21,11 +21,13 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.stateful import Stateful
 
 from services.trainer.store import fsync_dir
 
@@ -104,8 +106,17 @@ class CheckpointManager:
                 found.append((int(m.group(1)), path))
         return [p for _, p in sorted(found)]
 
-    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState) -> Path:
-        """Write a checkpoint of `state` with the model and optimizer; every rank calls it."""
+    def save(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> Path:
+        """Write a checkpoint of `state` with the model and optimizer; every rank calls it.
+
+        `extra` names further stateful parts (the DistillSparse adapter and its optimizer) saved with them.
+        """
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -116,7 +127,7 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # the one-process case is intended
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+            dcp.save({"model": model_sd, "optim": optim_sd, **(extra or {})}, checkpoint_id=str(tmp / "state"))
         _barrier()
         if _rank0():
             (tmp / META).write_text(json.dumps(asdict(state)))
@@ -140,10 +151,17 @@ class CheckpointManager:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path / META}: unreadable ({exc})") from None
 
-    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState | None:
+    def load_latest(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        extra: Mapping[str, Stateful] | None = None,
+    ) -> TrainState | None:
         """Load the newest checkpoint that reads back whole into model and optimizer; None when there is none.
 
-        Raises CheckpointError when there are checkpoints and none of them loads (a different model, say).
+        Each part of `extra` the checkpoint holds is loaded too; one it lacks (a run that turns
+        DistillSparse on) keeps its fresh state, with a warning. Raises CheckpointError when there
+        are checkpoints and none of them loads (a different model, say).
         """
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
@@ -151,7 +169,7 @@ class CheckpointManager:
         for path in reversed(self.checkpoints()):
             try:
                 state = self.read_state(path)
-                self._load_tensors(path, model, optimizer)
+                self._load_tensors(path, model, optimizer, extra or {})
             except (Exception, CheckpointException) as exc:  # damaged in any way: fall back to the one before
                 first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 log.error("checkpoint %s does not load (%s); trying the one before", path.name, first_line)
@@ -173,12 +191,21 @@ class CheckpointManager:
         return None
 
     @staticmethod
-    def _load_tensors(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def _load_tensors(
+        path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra: Mapping[str, Stateful]
+    ) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        target = {"model": model_sd, "optim": optim_sd}
+        target: dict = {"model": model_sd, "optim": optim_sd}
+        if extra:
+            held = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+            for name, part in extra.items():
+                if any(key == name or key.startswith(f"{name}.") for key in held):
+                    target[name] = part
+                else:
+                    log.warning("checkpoint %s holds no %r state; it starts fresh", path.name, name)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")
             dcp.load(target, checkpoint_id=str(path / "state"))

@@ -107,6 +107,43 @@ class WeightsConfig(ConfigSection):
     )
 
 
+class DistillSection(ConfigSection):
+    """DistillSparse (trainer/distill.py): a LoRA on the sparse actor, trained after each dense update and
+    published to the generators. Changing rank or target_modules makes the run's checkpoints unloadable."""
+
+    enabled: bool = Field(False, description="Train and publish the adapter every step.")
+    rank: int = Field(8, ge=1, le=256, description="LoRA rank; generators need max_lora_rank at least this.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the adapter's update is scaled by alpha / rank.")
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Linear layers the adapter wraps; k_proj also moves the page centroids the selection scores.",
+    )
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the adapter (about 10x the policy's).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay of the adapter.")
+    max_grad_norm: float = Field(1.0, ge=0, description="Clip of the adapter's gradient norm (0: off).")
+    kl_coef: float = Field(1e-3, ge=0, description="lambda: weight of k3 KL(sparse+LoRA || dense) beside L_PPO.")
+    kl_clamp: float = Field(10.0, gt=0, description="The log-ratio inside k3 is clamped to [-this, this].")
+    kl_estimator: Literal["k3", "full"] = Field(
+        "k3", description="k3 on the sampled tokens (the paper's) or the exact KL over the vocabulary."
+    )
+    epochs: int = Field(1, ge=1, description="Adapter optimizer steps on each step's batch.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass of the adapter.")
+    backend: Literal["auto", "torch", "cpu", "triton"] = Field(
+        "auto", description="Page scoring of the teacher-forced forward: the generators' backend, to select alike."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the adapter's initial A matrices (B starts at zero).")
+    sink_blocks: int = Field(1, ge=0, description="Sink blocks, when Redis holds no schedule to read them from.")
+    local_blocks: int = Field(2, ge=1, description="Local blocks, when Redis holds no schedule to read them from.")
+    dense_layers: list[int] = Field(
+        [0, 1], description="Dense decode layers, when Redis holds no schedule to read them from."
+    )
+    probe_every: int = Field(10, ge=0, description="Steps between with/without-adapter alpha probes (0: never).")
+    probe_samples: int = Field(
+        8, ge=1, description="Rollouts of a probe step held out of the adapter's training and scored both ways."
+    )
+
+
 class TrainerServiceConfig(SparrowConfig):
     """The trainer service's whole config (TOML file, SPARROW_* environment, flags)."""
 
@@ -139,6 +176,7 @@ class TrainerServiceConfig(SparrowConfig):
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Policy publishing.")
+    distill: DistillSection = Field(default_factory=DistillSection, description="DistillSparse LoRA adapter.")
 
     @property
     def outstanding_groups(self) -> int:

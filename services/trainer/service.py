@@ -56,17 +56,21 @@ class TrainerService:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
         )
+        s, g = config.sampling, config.grpo
+        grpo = GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap)
+        self.distill = self._distill(grpo) if config.distill.enabled else None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.checkpoint.keep)
         self.checkpoints.remove_unfinished()
-        resumed = self.checkpoints.load_latest(self.model, self.optimizer)
+        resumed = self.checkpoints.load_latest(self.model, self.optimizer, self._checkpoint_parts())
         for group in self.optimizer.param_groups:  # the config's optimizer settings win over the checkpoint's
             group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.state = resumed or TrainState(run_id=self._run_id())
         self.weights = WeightStore(self.run_dir, config.weights.keep)
         self._publish_start()
+        if self.distill is not None:
+            self.distill.publish_start(self.weights, self.state.policy_version, self.state.step)
         self.store = TrajectoryStore(self.run_dir)
         self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
-        s = config.sampling
         self.feeder = Feeder(
             self._redis(),
             self.ledger,
@@ -85,9 +89,8 @@ class TrainerService:
             self.metrics,
         )
         self.feeder.restore(self.state.feeder)
-        g = config.grpo
         update = UpdateConfig(
-            grpo=GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap),
+            grpo=grpo,
             temperature=s.temperature,
             micro_batch_size=o.micro_batch_size,
             max_grad_norm=o.max_grad_norm,
@@ -102,12 +105,30 @@ class TrainerService:
             update,
             config.groups_per_step,
             config.max_staleness,
+            self.distill,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._health = self._http = None
         self.grpc_port = self.metrics_port = 0
         self._last_checkpoint_step = self.state.step if resumed else -1
         self._checkpoint_on_stop = True
+
+    def _distill(self, grpo):
+        from services.trainer.distill_step import DistillStep, read_block_rule
+
+        c = self.config
+        step = DistillStep(
+            c.distill, self.model, self.metrics.registry, grpo, c.sampling.temperature, c.metrics.bin_width,
+            c.metrics.num_bins,
+        )  # fmt: skip
+        # The generators' schedule lives in Redis; the feeder's client exists once __init__ is through.
+        step.rule_source = lambda: read_block_rule(self.feeder.client, step.fallback)
+        return step
+
+    def _checkpoint_parts(self) -> dict:
+        from services.trainer.distill_step import CHECKPOINT_PART
+
+        return {CHECKPOINT_PART: self.distill} if self.distill is not None else {}
 
     def _run_id(self) -> str:
         from services.trainer.feeder import new_run_id
@@ -209,6 +230,8 @@ class TrainerService:
         self.state.history.append(list(batch))
         self.ledger.finish(batch, TRAINED)
         self.publish(self.state.policy_version + 1)
+        if self.distill is not None:  # trained against the policy just published
+            self.distill.publish(self.weights, self.state.policy_version, self.state.step)
         if self.state.step % self.config.checkpoint.every == 0:
             self.checkpoint()
         report.seconds = time.monotonic() - start
@@ -229,7 +252,7 @@ class TrainerService:
     def checkpoint(self) -> None:
         """Save a checkpoint, then compact what every kept checkpoint records as finished."""
         self.state.feeder = self.feeder.state()
-        self.checkpoints.save(self.model, self.optimizer, self.state)
+        self.checkpoints.save(self.model, self.optimizer, self.state, self._checkpoint_parts())
         self._last_checkpoint_step = self.state.step
         oldest = self.checkpoints.oldest_state()
         done = oldest.finished if oldest is not None else {}

@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from trainer.batch import Rollout
 from trainer.grpo import group_advantages
 from trainer.rl_update import UpdateConfig, acceptance, dense_scores, grpo_update
 from trainer.scoring import Scorer
+
+if TYPE_CHECKING:
+    from services.trainer.distill_step import DistillStep
 
 log = logging.getLogger("sparrow.trainer.step")
 
@@ -53,6 +57,7 @@ class StepReport:
     grad_norm: float = 0.0
     schedule_version: int = 0
     seconds: float = 0.0  # the whole step: scoring, update, publishing and any checkpoint
+    distill: dict = field(default_factory=dict)  # the adapter's figures (services/trainer/distill_step.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -88,6 +93,7 @@ class StepRunner:
         update: UpdateConfig,
         groups_per_step: int,
         max_staleness: int,
+        distill: DistillStep | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -99,6 +105,7 @@ class StepRunner:
         self.update = update
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self.distill = distill  # trains the sparse actor's adapter after each dense update
         self._alpha_bins: set[int] = set()
 
     def collect(self, policy_version: int) -> tuple[list[str] | None, list[str]]:
@@ -139,6 +146,7 @@ class StepRunner:
         stats = grpo_update(
             self.model, self.optimizer, rollouts, [d.logprobs for d in dense], torch.cat(advantages), self.update
         )
+        distilled = self.distill.run(step, rollouts, torch.cat(advantages)) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail
         self.metrics.tail.record_step(acc.alpha, acc.kv_lens, schedule_version)
@@ -164,6 +172,7 @@ class StepRunner:
             grad_norm=stats.get("grad_norm", 0.0),
             schedule_version=schedule_version,
             seconds=time.monotonic() - start,
+            distill=distilled,
         )
         self._export(report)
         return report

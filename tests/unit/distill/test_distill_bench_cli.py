@@ -1,0 +1,44 @@
+"""`sparrow bench distill`: bad flags are one line and exit 2; a tiny run prints its report, writes JSON and a PNG."""
+
+import json
+
+import pytest
+
+from tests.cli_runner import sparrow
+
+TINY_RUN = ("--model", "models/tiny", "--pairs", "8", "--hops", "6", "--budgets", "48", "--bin-width", "32")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--budgets", "64,abc"), "--budgets 64,abc"),
+        (("--budgets", "40"), "--budgets 40"),
+        (("--steps", "0"), "--steps must be positive"),
+        (("--group-size", "1"), "--group-size must be at least 2"),
+        (("--model", "no/such/model"), "no config.json"),
+        (("--kl-coef", "-1"), "kl_coef"),
+        (("--pairs", "500"), "pairs"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2(args, message):
+    short = () if "--steps" in args else ("--steps", "1")
+    r = sparrow("bench", "distill", *args, *short, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_tiny_run_reports_bins_before_and_after_and_writes_json_and_a_plot(tmp_path):
+    out, png = tmp_path / "report.json", tmp_path / "distill.png"
+    run = ("--steps", "2", "--groups", "1", "--group-size", "2", "--heldout", "2", "--out", out, "--plot", png)
+    r = sparrow("bench", "distill", *TINY_RUN, *run, "--json", timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report == json.loads(out.read_text())
+    assert [s["step"] for s in report["steps"]] == [1, 2] and all(s["tokens"] > 0 for s in report["steps"])
+    assert report["before"] and {b["bin"] for b in report["after"]} == {b["bin"] for b in report["before"]}
+    assert all(0 <= b["p5"] <= 1 and "p5_without" in b for b in report["after"])
+    assert report["settings"]["budgets"] == [48] and report["settings"]["distill"]["kl_estimator"] == "k3"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "step 2:" in r.stderr  # progress goes to stderr when stdout carries JSON

@@ -1,0 +1,341 @@
+"""DistillSparse: a LoRA adapter on the sparse actor that keeps it close to the dense policy (DESIGN.md section 1).
+
+Two views of one set of weights. The dense policy (theta, full attention) is the model the trainer
+already holds; the sparse actor (theta + LoRA phi, block-sparse attention) is a second module tree
+whose every parameter and buffer is the *same tensor object* as the policy's, with peft's LoRA
+layers injected into that second tree only. So:
+  - the dense update and dense scoring run on a tree that has no adapter at all: they cannot see
+    phi, whatever context they run in, and the policy's parameter names, optimizer, checkpoints and
+    published weights stay exactly what they are without DistillSparse;
+  - the actor follows every dense update for free (no copy, no extra memory beyond phi): an adapter
+    trained against policy v_k sits on v_{k+1} as soon as the dense optimizer steps, and is then
+    trained further against v_{k+1} (the paper retrains phi after each dense update, warm-started);
+  - the sparse side without the adapter (for the with/without probe) is the actor under peft's
+    `disable_adapter()`.
+One object with the adapter disabled for the dense path would save the second module tree (a few
+Python objects, no tensors) but changes the policy's parameter names and needs every dense call
+site to remember the context; with FSDP2 it becomes the only option, since two trees cannot share
+sharded parameters. This is the single-process trainer's design.
+
+The adapter's loss on a batch of rollouts, teacher-forced with the budgets the generator reported
+for each position (`trainer.sparse_attention.recorded_plan`), theta frozen:
+    L = L_PPO(sparse + LoRA) + lambda * k3,   k3 = exp(d) - d - 1,  d = clamp(ref - lp, -c, c)
+(or, with `kl_estimator="full"`, the exact KL(sparse+LoRA || dense) over the vocabulary at each position)
+with lp the sparse+LoRA logprob of each sampled token and ref the dense policy's (detached, from the
+policy as it is now, i.e. after this step's dense update: the policy the adapter will be applied
+to). L_PPO is the trainer's GRPO + TIS loss (`trainer.grpo.grpo_tis_loss`) with the sparse actor as
+the policy: its old logprobs are the actor's own before this step's update and its TIS weight
+corrects for the generator's (stale) sampling distribution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sparrow.acceptance import alpha_exact
+from trainer import sparse_attention
+from trainer.batch import MicroBatch, Rollout, micro_batches
+from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss, sampled_logprobs
+from trainer.scoring import scaled_logprobs
+
+if TYPE_CHECKING:
+    from sparrow.schedule import Schedule
+    from trainer.reference_generate import Generation
+
+LORA_MARK = "lora_"
+
+
+@dataclass(frozen=True)
+class BlockRule:
+    """What the schedule fixes besides the budgets: sink and local blocks, and the layers that stay dense."""
+
+    sink: int = 1
+    local: int = 2
+    dense_layers: frozenset[int] = frozenset({0, 1})
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> BlockRule:
+        """The rule of a schedule (budgets come from the rollouts themselves)."""
+        return cls(schedule.sink_blocks, schedule.local_blocks, frozenset(schedule.dense_layers))
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """The adapter and its optimizer. Defaults, and why:
+
+    - rank 8, alpha 16 (scale alpha / rank = 2): the adapter corrects what sparse attention loses,
+      a small change of the attention's projections, so a low rank suffices; it stays below the
+      engines' usual `max_lora_rank` (16);
+    - targets q, k, v and o projections: the mismatch arises in attention, and k_proj also moves
+      the page centroids, so the adapter can change which pages are selected, not only how they mix;
+    - lr 1e-5: LoRA's best learning rate sits about ten times above full fine-tuning's, and the
+      policy's default is 1e-6; weight decay 0, as for the policy;
+    - max_grad_norm 1.0, as for the policy, on the adapter's own gradients;
+    - kl_coef (lambda) 1e-3 with d clamped to [-10, 10]: the paper's values;
+    - kl_estimator "k3": the paper's, on the sampled tokens. "full" is the exact KL(sparse+LoRA ||
+      dense) over the whole vocabulary at each response position: the trainer holds both full
+      distributions, and on a small fixed batch the sampled-token estimate can be driven down by
+      matching the sampled tokens alone, without the distributions getting any closer;
+    - epochs 1: one optimizer step per RL step, as the paper trains phi after each dense update.
+    No LoRA dropout: the engines apply none, and the trained actor must be the served one.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    kl_coef: float = 1e-3
+    kl_clamp: float = 10.0
+    kl_estimator: str = "k3"  # "k3" (sampled tokens, the paper's) or "full" (exact, every vocabulary entry)
+    epochs: int = 1
+    micro_batch_size: int = 8
+    temperature: float = 1.0
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    backend: str = "auto"  # page scoring of the teacher-forced forward: the engine's, so both select alike
+    seed: int = 0  # initialisation of the LoRA A matrices (B starts at zero: the adapter starts as the identity)
+
+    def __post_init__(self) -> None:
+        if self.rank < 1 or not self.target_modules:
+            raise ValueError("the adapter needs rank >= 1 and at least one target module")
+        if not self.lr > 0 or self.epochs < 1 or self.micro_batch_size < 1:
+            raise ValueError("lr must be > 0, epochs and micro_batch_size >= 1")
+        if self.kl_coef < 0 or not self.kl_clamp > 0 or not self.temperature > 0:
+            raise ValueError("kl_coef must be >= 0, kl_clamp and temperature > 0")
+        if self.kl_estimator not in ("k3", "full"):
+            raise ValueError(f"kl_estimator must be 'k3' or 'full', got {self.kl_estimator!r}")
+
+
+@dataclass
+class Probe:
+    """Exact alpha of every probed token against the dense policy, with and without the adapter."""
+
+    kv_lens: torch.Tensor  # [tokens] int64
+    with_adapter: torch.Tensor  # [tokens] float32
+    without_adapter: torch.Tensor
+
+
+class DistillSparse:
+    """The sparse actor over `policy`'s weights, its LoRA adapter, and the adapter's optimizer."""
+
+    def __init__(self, policy: torch.nn.Module, config: DistillConfig) -> None:
+        from peft import LoraConfig, get_peft_model
+
+        self.config = config
+        self.policy = sparse_attention.install(policy)
+        self.actor = shared_view(self.policy)
+        lora = LoraConfig(
+            r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0
+        )
+        with _requires_grad_kept(self.policy), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            # Injects LoRA layers into the actor tree in place; peft would also freeze the shared weights.
+            self.peft = get_peft_model(self.actor, lora)
+        self.lora_params = [p for n, p in self.actor.named_parameters() if LORA_MARK in n]
+        self._base_params = [p for n, p in self.actor.named_parameters() if LORA_MARK not in n]
+        for p in self.lora_params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.AdamW(
+            self.lora_params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+
+    # -- forwards -------------------------------------------------------------------------------------
+
+    def _sparse_logits(self, mb: MicroBatch, rollouts: Sequence[Rollout], rule: BlockRule) -> torch.Tensor:
+        plan = sparse_attention.recorded_plan(
+            mb.prompt_lens,
+            [rollouts[r].kv_budgets for r in mb.rows],
+            mb.input_ids.shape[1],
+            rule.sink,
+            rule.local,
+            rule.dense_layers,
+            self.config.backend,
+        )
+        out = self.actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, sparrow_plan=plan)
+        return out.logits[:, :-1]
+
+    def _dense_logits(self, mb: MicroBatch) -> torch.Tensor:
+        return self.policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+
+    def _batches(self, rollouts: Sequence[Rollout], advantages: torch.Tensor | None = None) -> list[MicroBatch]:
+        adv = torch.zeros(len(rollouts)) if advantages is None else advantages
+        device = next(self.policy.parameters()).device
+        return [mb.to(device) for mb in micro_batches(rollouts, adv, self.config.micro_batch_size)]
+
+    @torch.no_grad()
+    def logprobs(
+        self, rollouts: Sequence[Rollout], rule: BlockRule, adapter: bool = True, dense: bool = False
+    ) -> list[torch.Tensor]:
+        """Per rollout, the logprobs of its response tokens: sparse with or without the adapter, or dense."""
+        out: list[torch.Tensor] = []
+        for mb in self._batches(rollouts):
+            with contextlib.nullcontext() if adapter or dense else self.peft.disable_adapter():
+                logits = self._dense_logits(mb) if dense else self._sparse_logits(mb, rollouts, rule)
+            lp = sampled_logprobs(logits, mb.targets, self.config.temperature)
+            for i, (plen, n) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True)):
+                out.append(lp[i, plen - 1 : plen - 1 + n].cpu())
+        return out
+
+    # -- training -------------------------------------------------------------------------------------
+
+    def train_step(self, rollouts: Sequence[Rollout], advantages: torch.Tensor, rule: BlockRule) -> dict[str, float]:
+        """`epochs` optimizer steps of the adapter on the batch, theta frozen; statistics of the first pass.
+
+        The first pass's figures describe the adapter as it came into this step (before it saw the
+        batch): `loss`, `ppo_loss`, `kl` (mean KL estimate per token), `tis_clip_fraction`, `tokens`,
+        `grad_norm` (of that first step, before clipping).
+        """
+        c = self.config
+        batches = self._batches(rollouts, advantages)
+        device = next(self.policy.parameters()).device
+        num_tokens = global_token_count(torch.tensor([float(sum(len(r.token_ids) for r in rollouts))], device=device))
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        if c.kl_estimator == "k3":
+            with torch.no_grad():  # the dense policy as it is now, frozen
+                refs = [sampled_logprobs(self._dense_logits(mb), mb.targets, c.temperature) for mb in batches]
+        olds: list[torch.Tensor] = []
+        first: dict[str, float] = {}
+        with self._theta_frozen():
+            for epoch in range(c.epochs):
+                self.optimizer.zero_grad(set_to_none=True)
+                totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0, "tis_clip_fraction": 0.0, "tokens": 0.0}
+                for i, mb in enumerate(batches):
+                    logits = self._sparse_logits(mb, rollouts, rule)
+                    lp = sampled_logprobs(logits, mb.targets, c.temperature)
+                    if epoch == 0:  # the actor before this step: PPO's old policy
+                        olds.append(lp.detach())
+                    ppo, stats = grpo_tis_loss(
+                        lp, olds[i], mb.rollout_logprobs, mb.advantages, mb.mask, c.grpo, num_tokens
+                    )
+                    kl = (self._kl_per_token(mb, logits, lp, refs[i]) * mb.mask).sum() / num_tokens
+                    loss = ppo + c.kl_coef * kl
+                    loss.backward()
+                    totals["loss"] += float(loss.detach())
+                    totals["ppo_loss"] += float(ppo.detach())
+                    totals["kl"] += float(kl.detach())
+                    totals["tis_clip_fraction"] += stats["tis_clip_fraction"] * stats["tokens"]
+                    totals["tokens"] += stats["tokens"]
+                bound = c.max_grad_norm if c.max_grad_norm > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, bound))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                if epoch == 0:
+                    totals["tis_clip_fraction"] /= max(totals["tokens"], 1.0)
+                    first = {**totals, "grad_norm": grad_norm}
+        return first
+
+    def _kl_per_token(
+        self, mb: MicroBatch, logits: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None
+    ) -> torch.Tensor:
+        c = self.config
+        if c.kl_estimator == "k3":
+            d = (ref - lp).clamp(-c.kl_clamp, c.kl_clamp)
+            return torch.exp(d) - d - 1.0
+        with torch.no_grad():
+            dense = scaled_logprobs(self._dense_logits(mb), c.temperature)
+        sparse = scaled_logprobs(logits, c.temperature)
+        return (sparse.exp() * (sparse - dense)).sum(-1)
+
+    @contextlib.contextmanager
+    def _theta_frozen(self) -> Iterator[None]:
+        # Freezing the shared weights (not just leaving them out of the optimizer) spares their
+        # gradients; the dense optimizer's own state is never touched.
+        flags = [p.requires_grad for p in self._base_params]
+        try:
+            for p in self._base_params:
+                p.requires_grad_(False)
+            yield
+        finally:
+            for p, flag in zip(self._base_params, flags, strict=True):
+                p.requires_grad_(flag)
+
+    # -- the probe ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def probe(self, rollouts: Sequence[Rollout], rule: BlockRule) -> Probe:
+        """Exact alpha (full distributions, at the config's temperature) of every response token vs dense."""
+        kv, with_, without = [], [], []
+        t = self.config.temperature
+        for mb in self._batches(rollouts):
+            keep = mb.mask.bool()
+            dense = self._dense_logits(mb)[keep] / t
+            with_.append(alpha_exact(self._sparse_logits(mb, rollouts, rule)[keep] / t, dense).float().cpu())
+            with self.peft.disable_adapter():
+                without.append(alpha_exact(self._sparse_logits(mb, rollouts, rule)[keep] / t, dense).float().cpu())
+            kv += [rollouts[r].kv_lens() for r in mb.rows]
+        return Probe(torch.cat(kv), torch.cat(with_), torch.cat(without))
+
+    # -- saving ---------------------------------------------------------------------------------------
+
+    def save_adapter(self, folder: str | Path) -> None:
+        """The adapter in peft format (adapter_config.json, adapter_model.safetensors), as vLLM loads it."""
+        self.peft.save_pretrained(str(folder), safe_serialization=True)
+
+    def adapter_tensors(self) -> dict[str, torch.Tensor]:
+        """The adapter's tensors by their name in the actor (detached, on their device)."""
+        return {n: p.detach() for n, p in self.actor.named_parameters() if LORA_MARK in n}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Adapter tensors and optimizer state, keyed by parameter name (torch.distributed.checkpoint's Stateful)."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return {"lora": self.adapter_tensors(), "optim": get_optimizer_state_dict(self.actor, self.optimizer)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned; raises ValueError when the adapter's tensors do not fit."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        mine = self.adapter_tensors()
+        lora = state["lora"]
+        if set(lora) != set(mine) or any(lora[n].shape != mine[n].shape for n in mine):
+            raise ValueError("the checkpointed adapter does not fit this one (rank or target modules differ)")
+        with torch.no_grad():
+            for name, p in self.actor.named_parameters():
+                if name in lora:
+                    p.copy_(lora[name])
+        set_optimizer_state_dict(self.actor, self.optimizer, state["optim"])
+
+
+def rollout_of(prompt: Sequence[int], generation: Generation, group_id: str = "", sample_index: int = 0) -> Rollout:
+    """A reference-loop generation as a rollout, budgets in the generators' convention (0 where dense).
+
+    The reference loop reports the prefill's length for the first token and every decode step's
+    budget; a generator reports 0 for the first token and for any budget covering the context.
+    """
+    plen = len(prompt)
+    budgets = tuple(0 if t == 0 or b >= plen + t else int(b) for t, b in enumerate(generation.budgets.tolist()))
+    return Rollout(
+        group_id=group_id,
+        sample_index=sample_index,
+        prompt_ids=tuple(prompt),
+        token_ids=tuple(generation.tokens),
+        logprobs=tuple(generation.scores.logprobs.tolist()),
+        top_ids=tuple(tuple(r) for r in generation.scores.top_ids.tolist()),
+        top_logprobs=tuple(tuple(r) for r in generation.scores.top_logprobs.tolist()),
+        kv_budgets=budgets,
+    )
+
+
+def shared_view(model: torch.nn.Module) -> torch.nn.Module:
+    """A second module tree of `model` whose parameters and buffers are `model`'s own tensor objects."""
+    memo: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return copy.deepcopy(model, memo)
+
+
+@contextlib.contextmanager
+def _requires_grad_kept(model: torch.nn.Module) -> Iterator[None]:
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
