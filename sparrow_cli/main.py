@@ -24,6 +24,8 @@ COMMANDS: dict[str, str] = {
     "calibrate": "sparrow_cli.calibrate_cmd",
     "trainer": "sparrow_cli.trainer_cmd",
     "generator": "sparrow_cli.generator_cmd",
+    "up": "sparrow_cli.up_cmd",
+    "report": "sparrow_cli.report_cmd",
 }
 
 

@@ -1,0 +1,127 @@
+"""`sparrow up --compare`: the same job with dense rollouts, then sparse, and one report side by side.
+
+    RUN_DIR/dense/    a whole run folder (dense rollouts, no controller)
+    RUN_DIR/sparse/   a whole run folder (the schedule, the controller when on)
+    RUN_DIR/report.md, RUN_DIR/compare_*.png, RUN_DIR/compare.json
+
+Rollout throughput is tokens per second of engine step time (history.py), measured in each run
+on the same machine with the same engine, prompts (same task seed) and sampling, so their ratio is
+the measured rollout speedup of sparse over dense. Accuracy is the training accuracy per step,
+on prompts drawn fresh from the task at every step (never seen before by the policy).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.launcher.config import UpConfig
+from services.launcher.history import read_history
+from services.launcher.plan import SetupError, default_run_dir, make_plan
+from services.launcher.report import ReportError, build_report, headline
+
+COMPARE_FILE = "compare.json"
+MODES = ("dense", "sparse")
+
+
+def run_compare(up: UpConfig, progress_factory) -> tuple[int, dict]:
+    """Run dense, then sparse, then write the comparison; (exit status, summary)."""
+    from services.launcher.run import run_up
+
+    root = Path(up.run_dir or default_run_dir()).resolve()
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise SetupError(f"run folder {root} exists and is not empty; choose another --run-dir")
+    ups = {m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m)}) for m in MODES}
+    for mode in MODES:  # both checked before either starts
+        make_plan(ups[mode])
+    summaries = {}
+    for mode in MODES:
+        code, summaries[mode] = run_up(ups[mode], progress_factory)
+        if code != 0:
+            return code, {"outcome": summaries[mode].get("outcome"), "error": summaries[mode].get("error"), **summaries}
+    path, summary = build_compare_report(root)
+    return 0, {"outcome": "completed", "error": None, "report": str(path), **summary}
+
+
+def compare_figures(root: Path) -> dict:
+    """Headline figures of both runs and the measured speedup."""
+    heads = {}
+    for mode in MODES:
+        rows = read_history(root / mode)
+        if not rows:
+            raise ReportError(f"{root / mode}: the metrics history holds no steps")
+        heads[mode] = headline(rows)
+    dense, sparse = heads["dense"]["mean_rollout_tokens_per_s"], heads["sparse"]["mean_rollout_tokens_per_s"]
+    return {
+        "dense": heads["dense"],
+        "sparse": heads["sparse"],
+        "measured_rollout_speedup": sparse / dense if dense and sparse else None,
+        "accuracy_difference": _diff(heads["sparse"]["mean_accuracy"], heads["dense"]["mean_accuracy"]),
+    }
+
+
+def _diff(a, b):
+    return a - b if a is not None and b is not None else None
+
+
+def build_compare_report(root: Path) -> tuple[Path, dict]:
+    """Rebuild both runs' reports and the comparison; (the comparison's Markdown file, its figures)."""
+    for mode in MODES:
+        build_report(root / mode)
+    figs = compare_figures(root)
+    (root / COMPARE_FILE).write_text(json.dumps(figs, indent=1) + "\n")
+    _plot(root, "rollout_tokens_per_s", "Rollout tokens/s (engine time)", root / "compare_tokens_per_s.png")
+    _plot(root, "accuracy", "Accuracy per step", root / "compare_accuracy.png")
+    d, s = figs["dense"], figs["sparse"]
+
+    def f(value, spec=".3f"):
+        return "-" if value is None else format(value, spec)
+
+    speedup = figs["measured_rollout_speedup"]
+    md = [
+        "# Sparrow: dense vs sparse rollouts",
+        "",
+        f"Measured rollout speedup of sparse over dense: **{f(speedup, '.2f')}x** "
+        f"(predicted by the cost model: {f(s['final_predicted_speedup'], '.2f')}x).",
+        "",
+        "| figure | dense | sparse |",
+        "|---|---|---|",
+        f"| mean rollout tokens/s (engine time) | {f(d['mean_rollout_tokens_per_s'], '.1f')} "
+        f"| {f(s['mean_rollout_tokens_per_s'], '.1f')} |",
+        f"| mean accuracy | {f(d['mean_accuracy'])} | {f(s['mean_accuracy'])} |",
+        f"| final accuracy | {f(d['final_accuracy'])} | {f(s['final_accuracy'])} |",
+        f"| mean reward | {f(d['mean_reward'])} | {f(s['mean_reward'])} |",
+        f"| min p5 over bins, last step | {f(d['final_min_p5'])} | {f(s['final_min_p5'])} |",
+        f"| steps | {d['steps_done']} | {s['steps_done']} |",
+        "",
+        "![rollout tokens/s](compare_tokens_per_s.png)",
+        "",
+        "![accuracy](compare_accuracy.png)",
+        "",
+        "Each run's own report: [dense](dense/report/report.md), [sparse](sparse/report/report.md).",
+        "",
+    ]
+    path = root / "report.md"
+    path.write_text("\n".join(md))
+    return path, figs
+
+
+def _plot(root: Path, key: str, title: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for mode in MODES:
+        points = [(r["step"], r[key]) for r in read_history(root / mode) if r.get(key) is not None]
+        if points:
+            xs, ys = zip(*points, strict=True)
+            ax.plot(xs, ys, marker="o", ms=3, label=mode)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100, metadata={"Software": None})
+    plt.close(fig)

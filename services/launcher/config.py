@@ -1,0 +1,112 @@
+"""`sparrow up`'s config: the run's shape, where its servers live, and overrides for each service.
+
+The launcher resolves one config per child process from three layers: the service's own
+defaults, the launcher's defaults for a local run (`services/launcher/services.py`), then the
+`[trainer]`, `[generator]` and `[controller]` tables here (keys exactly as in the service's own
+TOML file). What wires the cluster together (ports, addresses, run folders, the model, the step
+count) is the launcher's alone; setting it in a table is an error that names the field to use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr
+
+from sparrow.config import ConfigSection, SparrowConfig
+
+LAUNCHER_DIR = Path(__file__).resolve().parent
+DEFAULT_SCHEDULE = LAUNCHER_DIR / "schedules" / "small-calibrated.json"
+
+
+class PortsConfig(ConfigSection):
+    """Loopback ports; 0 picks a free one at start. A fixed port that is in use stops the launch before it starts."""
+
+    redis: int = Field(0, ge=0, le=65535, description="redis-server (when the launcher starts it).")
+    prometheus: int = Field(0, ge=0, le=65535, description="Prometheus (when the launcher starts it).")
+    trainer_grpc: int = Field(0, ge=0, le=65535, description="The trainer's RolloutService and WeightService.")
+    trainer_metrics: int = Field(0, ge=0, le=65535, description="The trainer's /metrics.")
+    generator_metrics: int = Field(
+        0, ge=0, le=65535, description="The first generator's /metrics; generator i uses this + i."
+    )
+    generator_control: int = Field(
+        0, ge=0, le=65535, description="The first generator's GeneratorControl gRPC; generator i uses this + i."
+    )
+    controller: int = Field(0, ge=0, le=65535, description="The controller's admin API and /metrics.")
+
+
+class TimeoutsConfig(ConfigSection):
+    """How long the launcher waits, and how often it looks."""
+
+    start_s: float = Field(900.0, gt=0, description="Every service must be healthy within this many seconds.")
+    step_s: float = Field(
+        1800.0, gt=0, description="The run is stopped as stuck when no training step finishes for this long."
+    )
+    stop_grace_s: float = Field(
+        30.0, gt=0, description="After SIGTERM a service's process group gets this long before SIGKILL."
+    )
+    poll_s: float = Field(0.5, gt=0, description="Seconds between looks at the services and the step history.")
+
+
+class UpConfig(SparrowConfig):
+    """A whole local RL run: Redis, Prometheus, N generators, the trainer and the controller."""
+
+    run_dir: str = Field(
+        "", description="Folder of the run (configs, logs, history, checkpoints, report); empty: runs/up-<time>."
+    )
+    model_size: Literal["tiny", "small"] = Field(
+        "small", description="The project's own model to train (models/<size>, built first when missing)."
+    )
+    model_dir: str = Field("", description="HF-format policy folder to start from instead of model_size's.")
+    steps: int = Field(20, ge=1, description="Training steps of the run.")
+    generators: int = Field(1, ge=1, le=64, description="Generator processes.")
+    with_controller: bool = Field(True, description="Run the controller (closed-loop schedule); false: fixed schedule.")
+    dense: bool = Field(False, description="Dense rollouts: generators run without a schedule (and no controller).")
+    engine: Literal["vllm", "reference"] = Field(
+        "vllm", description="Generator engine: vllm (vLLM + sparse plugin) or reference (own torch loop, slow)."
+    )
+    schedule: str = Field(
+        "", description="Starting schedule, preset name or JSON file; empty: the calibrated one of the own models."
+    )
+    tau: float = Field(0.86, gt=0, lt=1, description="Stability threshold on each bin's p5 of alpha.")
+    cost_hardware: str = Field(
+        "h200", description="Hardware the cost model prices the predicted speedup on (h200, h100, cpu)."
+    )
+    token: SecretStr | None = Field(
+        None, description="Service token of the cluster's gRPC links; unset: a random one per run. Set SPARROW_TOKEN."
+    )
+    redis_url: str = Field("", description="Use this Redis instead of starting one (its database is written to).")
+    prometheus_url: str = Field(
+        "", description="Use this Prometheus instead of starting one (it must scrape the services itself)."
+    )
+    scrape_interval_s: float = Field(1.0, ge=0.05, description="Scrape interval of the Prometheus the launcher starts.")
+    promql_window_s: float = Field(
+        30.0, gt=0, description="Range of rate(...) in the PromQL p5 the launcher records beside the exact one."
+    )
+    ports: PortsConfig = Field(default_factory=PortsConfig, description="Loopback ports.")
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Waits and polling.")
+    trainer: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the trainer's config (services/trainer/trainer.toml keys)."
+    )
+    generator: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of every generator's config (generator.toml keys)."
+    )
+    controller: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the controller's config (controller.toml keys)."
+    )
+
+    @property
+    def uses_controller(self) -> bool:
+        """A dense run has no schedule to tune."""
+        return self.with_controller and not self.dense
+
+    def cluster_token(self) -> str | None:
+        """The configured service token, or None (the launcher makes one)."""
+        return self.token.get_secret_value() if self.token is not None else None
+
+    def dump_public(self) -> dict[str, Any]:
+        """The config as plain data with the token left out (for RUN_DIR/config.toml)."""
+        data = self.model_dump(mode="json")
+        data.pop("token", None)
+        return data

@@ -1,0 +1,197 @@
+"""The run's metrics history: one row per training step, in RUN_DIR/metrics.jsonl.
+
+A row joins the trainer's own record of the step (trainer/steps.jsonl: reward, accuracy, response
+length, exact p5 per bin, versions) with what the launcher reads when it sees that step: the
+generators' counters (tokens, engine time, versions), the schedule in force (Redis, or the fixed one),
+its predicted speedup, and PromQL's p5 per bin (what the controller acts on). The progress view,
+`--json` and the report all read these rows and nothing else.
+
+Throughput is measured between two rows: `tokens_per_s` is generated tokens per wall second (all
+generators), `rollout_tokens_per_s` is tokens per second of engine step time summed over generators
+(what the cluster generates while generating, whatever the trainer's pace).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, scrape_generator
+
+HISTORY_FILE = "metrics.jsonl"
+STEPS_FILE = "steps.jsonl"  # written by the trainer in its run folder
+
+
+@dataclass
+class HistorySources:
+    """Where a row's figures come from."""
+
+    steps_file: Path
+    generator_metrics: dict[str, str]  # generator name -> /metrics URL
+    redis_client: object | None
+    prometheus_url: str | None
+    promql_window_s: float
+    tau: float
+    initial_schedule: dict | None  # the fixed schedule (None: dense)
+    follow_redis: bool  # the schedule in Redis governs (False: dense or fixed)
+    speedup_of: Callable[[dict | None], float | None]  # the cost model's prediction for a schedule
+
+
+class History:
+    """Turns new trainer steps into rows and appends them to the history file."""
+
+    def __init__(self, run_dir: Path, sources: HistorySources) -> None:
+        self.path = run_dir / HISTORY_FILE
+        self.sources = sources
+        self.started = time.time()
+        self._offset = 0  # bytes of steps.jsonl consumed
+        self._last: dict[str, GeneratorSample] = {}
+        self._last_time = time.monotonic()
+        self.rows: list[dict] = []
+        self.generator_versions: dict[str, int] = {}  # newest policy version each generator served
+
+    def poll(self) -> list[dict]:
+        """Rows for the steps the trainer finished since the last call."""
+        steps = self._new_steps()
+        if not steps:
+            return []
+        throughput = self._throughput()
+        schedule, speedup = self._schedule()
+        promql = (
+            promql_p5(self.sources.prometheus_url, self.sources.promql_window_s) if self.sources.prometheus_url else {}
+        )
+        rows = []
+        for i, step in enumerate(steps):
+            last = i == len(steps) - 1
+            rows.append(self._row(step, throughput if last else {}, schedule, speedup, promql if last else {}))
+        with self.path.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        self.rows += rows
+        return rows
+
+    def sample_generators(self) -> dict[str, int]:
+        """Scrape every generator once more (the run's end); returns their policy versions."""
+        self._throughput()
+        return dict(self.generator_versions)
+
+    def _new_steps(self) -> list[dict]:
+        try:
+            with self.sources.steps_file.open("rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line the trainer is still writing waits for the next poll
+        self._offset += end
+        steps = []
+        for line in data[:end].splitlines():
+            try:
+                step = json.loads(line)
+            except ValueError:
+                continue  # not a step record: skipped rather than stopping the run
+            if isinstance(step, dict) and isinstance(step.get("step"), int):
+                steps.append(step)
+        return steps
+
+    def _throughput(self) -> dict:
+        now = time.monotonic()
+        wall = now - self._last_time
+        self._last_time = now
+        tokens = sparse = busy_rate = attended = context = 0.0
+        versions: dict[str, int] = {}
+        adapters: dict[str, int] = {}
+        for name, url in self.sources.generator_metrics.items():
+            sample = scrape_generator(url)
+            if sample is None:
+                continue  # gone (killed, stopping): its counters stop counting
+            prev = self._last.get(name, GeneratorSample())
+            self._last[name] = sample
+            d_tokens = _delta(sample.tokens, prev.tokens)
+            d_busy = _delta(sample.busy_s, prev.busy_s)
+            tokens += d_tokens
+            sparse += _delta(sample.tokens_sparse, prev.tokens_sparse)
+            attended += _delta(sample.attended_kv, prev.attended_kv)
+            context += _delta(sample.context_kv, prev.context_kv)
+            if d_busy > 0:
+                busy_rate += d_tokens / d_busy
+            versions[name] = sample.policy_version
+            adapters[name] = sample.adapter_version
+            self.generator_versions[name] = max(self.generator_versions.get(name, 0), sample.policy_version)
+        return {
+            "generated_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall > 0 else None,
+            "rollout_tokens_per_s": busy_rate if tokens else None,
+            "sparse_token_fraction": sparse / tokens if tokens else None,
+            "attended_kv_fraction": attended / context if context else None,
+            "generator_policy_versions": versions,
+            "generator_adapter_versions": adapters,
+        }
+
+    def _schedule(self) -> tuple[dict | None, float | None]:
+        s = self.sources
+        schedule, speedup = None, None
+        if s.follow_redis and s.redis_client is not None:
+            schedule, speedup = read_schedule(s.redis_client)
+        if schedule is None:
+            schedule, speedup = s.initial_schedule, None
+        if speedup is None:
+            speedup = s.speedup_of(schedule)
+        return schedule, speedup
+
+    def _row(self, step: dict, throughput: dict, schedule: dict | None, speedup: float | None, promql: dict) -> dict:
+        bins = step.get("alpha_bins", [])
+        return {
+            "step": step["step"],
+            "time": time.time(),
+            "elapsed_s": round(time.time() - self.started, 3),
+            "reward": step.get("reward_mean"),
+            "accuracy": step.get("accuracy"),
+            "response_length": step.get("response_length"),
+            "samples": step.get("samples"),
+            "alpha_mean": step.get("alpha_mean"),
+            "p5": {str(b["bin"]): b["p5"] for b in bins},
+            "alpha_tokens": {str(b["bin"]): b["tokens"] for b in bins},
+            "p5_promql": promql,
+            "tau": self.sources.tau,
+            "policy_version": step.get("policy_version"),
+            "published_version": step.get("published_version"),
+            "trained_schedule_version": step.get("schedule_version"),
+            "schedule_version": schedule.get("version", 0) if schedule else 0,
+            "schedule_budgets": list(schedule["budgets"]) if schedule else None,
+            "bin_width": schedule.get("bin_width") if schedule else None,
+            "predicted_speedup": speedup,
+            "generated_tokens": throughput.get("generated_tokens"),
+            "tokens_per_s": throughput.get("tokens_per_s"),
+            "rollout_tokens_per_s": throughput.get("rollout_tokens_per_s"),
+            "sparse_token_fraction": throughput.get("sparse_token_fraction"),
+            "attended_kv_fraction": throughput.get("attended_kv_fraction"),
+            "generator_policy_versions": throughput.get("generator_policy_versions", {}),
+            "generator_adapter_versions": throughput.get("generator_adapter_versions", {}),
+            "staleness": step.get("staleness"),
+            "kl_rollout_dense": step.get("kl_rollout_dense"),
+            "tis_clip_fraction": step.get("tis_clip_fraction"),
+            "step_seconds": step.get("seconds"),
+        }
+
+
+def _delta(now: float, before: float) -> float:
+    # A counter that went down belongs to a restarted process: everything it counted is new.
+    return now - before if now >= before else now
+
+
+def read_history(run_dir: Path) -> list[dict]:
+    """The rows of a run's metrics history (a torn last line is skipped)."""
+    rows = []
+    path = run_dir / HISTORY_FILE
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    return rows

@@ -1,0 +1,243 @@
+"""The run folder and the services of one run: everything decided and written before a process starts.
+
+RUN_DIR/config.toml              the resolved `sparrow up` config
+RUN_DIR/services/*.toml          each child's whole config (what it runs with)
+RUN_DIR/prometheus/prometheus.yml  scrape jobs for the trainer, the generators and the controller
+RUN_DIR/logs/<service>.log       one log per child
+RUN_DIR/trainer/                 the trainer's store, ledger, checkpoints, policies, steps.jsonl
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from services.controller.config import ControllerConfig
+from services.generator.config import GeneratorConfig
+from services.launcher import health
+from services.launcher.cluster import ServiceSpec
+from services.launcher.config import DEFAULT_SCHEDULE, UpConfig
+from services.launcher.ports import HOST, Ports, allocate
+from services.launcher.services import (
+    ChildConfigs,
+    child_environment,
+    config_text,
+    launcher_pythonpath,
+    prometheus_url,
+    resolve,
+)
+from services.launcher.toml_text import to_toml
+from services.trainer.config import TrainerServiceConfig
+from sparrow.schedule import Schedule, ScheduleError
+
+REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
+
+
+class SetupError(ValueError):
+    """Bad input found before anything starts (a missing model, a busy port, a bad schedule); one line."""
+
+
+@dataclass
+class RunPlan:
+    """A run, decided: its folder, config, children's configs and services."""
+
+    up: UpConfig
+    run_dir: Path
+    model_dir: Path
+    build_model: bool  # the own model of `model_size` is missing: `sparrow model build` first
+    schedule: Schedule
+    ports: Ports
+    children: ChildConfigs
+    token: str
+    prometheus_url: str
+    redis_url: str
+    config_files: dict[str, str]  # file name under RUN_DIR/services -> its TOML text
+
+    def services(self) -> list[ServiceSpec]:
+        """Every child service of the run, in start order."""
+        return _services(self)
+
+
+def default_run_dir() -> Path:
+    """runs/up-YYYYmmdd-HHMMSS under the current folder."""
+    import time
+
+    return Path("runs") / time.strftime("up-%Y%m%d-%H%M%S")
+
+
+def model_folder(up: UpConfig) -> tuple[Path, bool]:
+    """(the policy folder, whether it must be built first). A missing --model folder is a SetupError."""
+    if up.model_dir:
+        folder = Path(up.model_dir).resolve()
+        if not folder.is_dir():
+            raise SetupError(f"model folder {up.model_dir}: no such folder")
+        if not (folder / "config.json").is_file():
+            raise SetupError(f"model folder {up.model_dir} holds no config.json (not an HF-format model)")
+        return folder, False
+    folder = REPO_MODELS / up.model_size
+    return folder, not (folder / "config.json").is_file()
+
+
+def load_schedule(up: UpConfig) -> tuple[Schedule, Path | None]:
+    """The starting schedule (also the bins of a dense run's tail metrics) and its file, if it is one."""
+    from sparrow.presets import resolve_schedule
+
+    spec = up.schedule or str(DEFAULT_SCHEDULE)
+    try:
+        schedule = resolve_schedule(spec)
+    except ScheduleError as exc:
+        raise SetupError(f"schedule: {exc}") from None
+    path = Path(spec)
+    return schedule, (path.resolve() if path.is_file() else None)
+
+
+def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
+    """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written."""
+    run_dir = (run_dir or Path(up.run_dir or default_run_dir())).resolve()
+    for binary, needed in (("redis-server", not up.redis_url), ("prometheus", not up.prometheus_url)):
+        if needed and shutil.which(binary) is None:
+            raise SetupError(f"{binary} is not installed (scripts/setup.sh installs it), or give its URL in the config")
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise SetupError(f"run folder {run_dir} exists and is not empty; choose another --run-dir")
+    model_dir, build = model_folder(up)
+    schedule, schedule_file = load_schedule(up)
+    if up.cost_hardware.lower() != "cpu":  # "cpu" is measured when first needed; the presets are known now
+        from sparrow.hardware import HardwareError, get_hardware
+
+        try:
+            get_hardware(up.cost_hardware)
+        except HardwareError as exc:
+            raise SetupError(f"cost_hardware: {exc}") from None
+    try:
+        ports = allocate(up)
+    except ValueError as exc:
+        raise SetupError(str(exc)) from None
+    children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
+    note = "Written by sparrow up for this run; the service token comes from the environment."
+    files = {"trainer.toml": config_text(children.trainer, "trainer", note)}
+    files.update({f"{g.generator_id}.toml": config_text(g, "generator", note) for g in children.generators})
+    if children.controller is not None:
+        files["controller.toml"] = config_text(children.controller, "controller", note)
+    token = up.cluster_token() or secrets.token_urlsafe(24)
+    redis_url = up.redis_url or f"redis://{HOST}:{ports.redis}/0"
+    prom = prometheus_url(up, ports)
+    return RunPlan(up, run_dir, model_dir, build, schedule, ports, children, token, prom, redis_url, files)
+
+
+def write_run_files(plan: RunPlan) -> None:
+    """config.toml, the children's configs and Prometheus' scrape config."""
+    run_dir = plan.run_dir
+    for sub in ("logs", "services", "trainer"):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    header = "sparrow up: the resolved config of this run (the token is never written)."
+    (run_dir / "config.toml").write_text(to_toml(plan.up.dump_public(), header))
+    for name, text in plan.config_files.items():
+        (run_dir / "services" / name).write_text(text)
+    if not plan.up.prometheus_url:
+        prom = run_dir / "prometheus"
+        prom.mkdir(exist_ok=True)
+        (prom / "prometheus.yml").write_text(prometheus_yaml(plan))
+
+
+def prometheus_yaml(plan: RunPlan) -> str:
+    """Scrape config of the run's Prometheus: one job per service kind."""
+    interval = f"{round(plan.up.scrape_interval_s * 1000)}ms"  # Prometheus durations take no fractions
+    jobs = plan.ports.metrics_targets(plan.children.controller is not None)
+    return yaml.safe_dump(
+        {
+            "global": {"scrape_interval": interval, "evaluation_interval": interval},
+            "scrape_configs": [
+                {"job_name": job, "scrape_timeout": interval, "static_configs": [{"targets": targets}]}
+                for job, targets in jobs.items()
+            ],
+        },
+        sort_keys=False,
+    )
+
+
+def _sparrow(command: str, config: Path) -> list[str]:
+    return [sys.executable, "-m", "sparrow_cli.main", command, "--config", str(config)]
+
+
+def _services(plan: RunPlan) -> list[ServiceSpec]:
+    run_dir, logs, cfg = plan.run_dir, plan.run_dir / "logs", plan.run_dir / "services"
+    base = dict(os.environ)
+    base["PYTHONPATH"] = launcher_pythonpath(base)
+    specs: list[ServiceSpec] = []
+    if not plan.up.redis_url:
+        data = run_dir / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        port = plan.ports.redis
+        argv = ["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+        argv += ["--dir", str(data), "--protected-mode", "yes"]
+        specs.append(
+            ServiceSpec(
+                "redis", "store", argv, logs / "redis.log", health.redis_ready(plan.redis_url), ports={"port": port}
+            )
+        )
+    if not plan.up.prometheus_url:
+        prom, port = run_dir / "prometheus", plan.ports.prometheus
+        argv = [
+            "prometheus",
+            f"--config.file={prom / 'prometheus.yml'}",
+            f"--storage.tsdb.path={prom / 'data'}",
+            f"--web.listen-address={HOST}:{port}",
+            "--storage.tsdb.retention.time=30d",
+            "--log.level=warn",
+        ]
+        ready = health.http_ok(f"{plan.prometheus_url}/-/ready")
+        specs.append(ServiceSpec("prometheus", "monitor", argv, logs / "prometheus.log", ready, ports={"port": port}))
+    env = child_environment(base, TrainerServiceConfig, {"SPARROW_SECURITY__TOKEN": plan.token})
+    ready = health.all_of(
+        health.grpc_serving(f"{HOST}:{plan.ports.trainer_grpc}", "sparrow.v1.RolloutService"),
+        health.http_ok(f"http://{HOST}:{plan.ports.trainer_metrics}/metrics"),
+    )
+    ports = {"grpc": plan.ports.trainer_grpc, "metrics": plan.ports.trainer_metrics}
+    specs.append(
+        ServiceSpec(
+            "trainer",
+            "trainer",
+            _sparrow("trainer", cfg / "trainer.toml"),
+            logs / "trainer.log",
+            ready,
+            env,
+            ports=ports,
+        )
+    )
+    for i, g in enumerate(plan.children.generators):
+        env = child_environment(base, GeneratorConfig, {"SPARROW_SECURITY__TOKEN": plan.token})
+        control, metrics = plan.ports.generator_control[i], plan.ports.generator_metrics[i]
+        ready = health.all_of(
+            health.grpc_serving(f"{HOST}:{control}", "sparrow.v1.GeneratorControl"),
+            health.http_ok(f"http://{HOST}:{metrics}/metrics"),
+        )
+        name = g.generator_id
+        argv = _sparrow("generator", cfg / f"{name}.toml")
+        specs.append(
+            ServiceSpec(
+                name,
+                "generator",
+                argv,
+                logs / f"{name}.log",
+                ready,
+                env,
+                ports={"control": control, "metrics": metrics},
+            )
+        )
+    if plan.children.controller is not None:
+        # The admin API's token: the user's (to call POST /override and friends), else one nobody holds.
+        api_token = os.environ.get("SPARROW_API__TOKEN") or secrets.token_urlsafe(24)
+        env = child_environment(base, ControllerConfig, {"SPARROW_API__TOKEN": api_token})
+        port = plan.ports.controller
+        ready = health.http_ok(f"http://{HOST}:{port}/healthz")
+        argv = _sparrow("controller", cfg / "controller.toml")
+        specs.append(
+            ServiceSpec("controller", "controller", argv, logs / "controller.log", ready, env, ports={"api": port})
+        )
+    return specs

@@ -1,0 +1,269 @@
+"""One `sparrow up` run, start to end: plan, start, supervise, stop, account, report.
+
+Bad input is found by `make_plan` before anything starts. Then Redis and Prometheus start, then
+the generators and the controller, then the trainer, each phase healthy before the next (see
+`UpRun.start`). The run ends when the trainer exits after its last step; a Ctrl-C (or SIGTERM),
+a service that fails, or a run with no step for `timeouts.step_s` ends it early. A generator that
+exits is reported and the run goes on with the others (its claimed groups are reclaimed); only
+when none is left does the run fail. Whatever the end, every child is stopped, the work ledger is
+read from Redis before Redis stops, and the report is written from the history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.launcher.accounting import WORK_FILE, account
+from services.launcher.cluster import Cluster, StartError, describe_exit
+from services.launcher.config import UpConfig
+from services.launcher.history import STEPS_FILE, History, HistorySources
+from services.launcher.plan import RunPlan, make_plan, write_run_files
+from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
+from services.launcher.services import prompt_tokens
+
+log = logging.getLogger("sparrow.up")
+
+COMPLETED, INTERRUPTED, FAILED = "completed", "interrupted", "failed"
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (a service failed, no step for too long)."""
+
+
+def speedup_function(plan: RunPlan):
+    """The cost model's predicted rollout speedup for a schedule (JSON dict; None: dense, 1.0)."""
+    from sparrow.cost import predict
+    from sparrow.hardware import get_hardware
+    from sparrow.models import resolve_model
+    from sparrow.schedule import Schedule
+
+    t = plan.children.trainer
+    cache: dict = {}
+
+    def speedup_of(schedule: dict | None) -> float | None:
+        if schedule is None:
+            return 1.0
+        try:
+            if "spec" not in cache:
+                cache["spec"] = (resolve_model(str(plan.model_dir)), get_hardware(plan.up.cost_hardware))
+            model, hardware = cache["spec"]
+            s = Schedule.from_dict(schedule)
+            return predict(model, s, hardware, prompt_tokens(t), t.sampling.max_new_tokens, t.sampling.n).speedup
+        except (ValueError, OSError) as exc:  # an unknown model shape or hardware: the view shows "-"
+            log.warning("no predicted speedup: %s", exc)
+            return None
+
+    return speedup_of
+
+
+def _log_to(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "logs" / "up.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("sparrow.up")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return handler
+
+
+def build_model(plan: RunPlan, progress) -> None:
+    """`sparrow model build` for the missing own model (a child with its own log)."""
+    out, size = plan.model_dir, plan.up.model_size
+    progress.event(f"building the {size} model into {out} (first run only; see logs/model-build.log)")
+    logfile = plan.run_dir / "logs" / "model-build.log"
+    with logfile.open("ab") as f:
+        argv = [sys.executable, "-m", "sparrow_cli.main", "model", "build", "--size", size, "--out", str(out)]
+        code = subprocess.call(argv, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if code != 0:
+        raise RunError(f"building the {size} model failed ({describe_exit(code)}); see {logfile}")
+
+
+class UpRun:
+    """A run being carried out."""
+
+    def __init__(self, plan: RunPlan, progress) -> None:
+        self.plan = plan
+        self.progress = progress
+        self.cluster = Cluster(plan.run_dir, plan.up.timeouts.stop_grace_s)
+        self.history: History | None = None
+        self.exits: list[dict] = []
+        self.started = time.monotonic()
+        self._redis = None
+
+    def redis(self):
+        if self._redis is None:
+            import redis
+
+            self._redis = redis.Redis.from_url(self.plan.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        return self._redis
+
+    def start(self) -> None:
+        """Stores first, then generators and controller, then the trainer; each phase healthy before the next.
+
+        The trainer comes last because it starts feeding work at once: every generator is up by then,
+        so none gets a head start and the throughput measured from the first step on is the cluster's.
+        """
+        timeout = self.plan.up.timeouts.start_s
+        specs = self.plan.services()
+        self.progress.event(f"starting {', '.join(s.name for s in specs)}; logs in {self.plan.run_dir / 'logs'}")
+        for phase in (("store", "monitor"), ("generator", "controller"), ("trainer",)):
+            for spec in specs:
+                if spec.role in phase:
+                    self.cluster.start(spec)
+            self.cluster.wait_ready(timeout)
+        self.progress.event("every service is healthy; training")
+
+    def supervise(self) -> None:
+        """Follow the steps until the trainer is done; RunError when the run cannot go on."""
+        p, up = self.plan, self.plan.up
+        self.history = History(
+            p.run_dir,
+            HistorySources(
+                steps_file=p.run_dir / "trainer" / STEPS_FILE,
+                generator_metrics={
+                    g.generator_id: f"http://127.0.0.1:{port}/metrics"
+                    for g, port in zip(p.children.generators, p.ports.generator_metrics, strict=True)
+                },
+                redis_client=self.redis(),
+                prometheus_url=p.prometheus_url,
+                promql_window_s=up.promql_window_s,
+                tau=up.tau,
+                initial_schedule=None if up.dense else json.loads(p.schedule.to_json()),
+                follow_redis=not up.dense,
+                speedup_of=speedup_function(p),
+            ),
+        )
+        last_step = time.monotonic()
+        while True:
+            if self._take_rows():
+                last_step = time.monotonic()
+            for child in self.cluster.exited():
+                code = child.returncode
+                self.exits.append({"name": child.name, "exit": describe_exit(code)})
+                if child.spec.role == "trainer":
+                    self._take_rows()
+                    if code == 0 and len(self.history.rows) >= up.steps:
+                        return
+                    raise RunError(f"the trainer exited ({describe_exit(code)}):\n{child.log_tail()}")
+                if child.spec.role == "generator":
+                    left = len(self.cluster.alive("generator"))
+                    message = f"{child.name} exited ({describe_exit(code)}); {left} generator(s) go on"
+                    log.warning(message)
+                    self.progress.event(message)
+                    if left == 0:
+                        raise RunError(f"every generator has exited; the last:\n{child.log_tail()}")
+                    continue
+                raise RunError(f"{child.name} exited ({describe_exit(code)}):\n{child.log_tail()}")
+            if time.monotonic() - last_step > up.timeouts.step_s:
+                raise RunError(f"no training step finished in {up.timeouts.step_s:.0f} s; see the logs")
+            time.sleep(up.timeouts.poll_s)
+
+    def _take_rows(self) -> bool:
+        rows = self.history.poll() if self.history is not None else []
+        for row in rows:
+            log.info("step %d: reward %s p5 %s", row["step"], row["reward"], row["p5"])
+            self.progress.step(row)
+        return bool(rows)
+
+    def finish(self, outcome: str, error: str | None) -> dict:
+        """Stop everything (work ledger read before Redis stops), write the summary and the report."""
+        p = self.plan
+        versions = self.history.sample_generators() if self.history is not None else {}
+        self.cluster.stop(("generator", "controller", "trainer"))
+        self._take_rows()
+        work, final_schedule = {}, None
+        try:
+            if not p.up.dense:
+                final_schedule = self.history.sources.initial_schedule if self.history else None
+                raw = self.redis().get("sparrow:schedule:current")
+                if raw:
+                    final_schedule = json.loads(raw)
+            work = account(self.redis(), p.run_dir / "trainer")
+        except Exception as exc:  # Redis gone (it failed): the summary says so
+            log.warning("cannot read the work ledger or the schedule from Redis: %s", exc)
+        self.cluster.stop()
+        if final_schedule is not None:
+            (p.run_dir / "schedule.json").write_text(json.dumps(final_schedule, indent=1) + "\n")
+        (p.run_dir / WORK_FILE).write_text(json.dumps(work, indent=1) + "\n")
+        rows = self.history.rows if self.history is not None else []
+        summary = {
+            "outcome": outcome,
+            "error": error,
+            "run_dir": str(p.run_dir),
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            **headline(rows),
+            "generator_policy_versions": versions,
+            "final_schedule": final_schedule,
+            "exits": self.exits,
+            "work": work,
+            "run": {
+                "model": str(p.model_dir.name),
+                "engine": p.up.engine,
+                "generators": p.up.generators,
+                "mode": "dense" if p.up.dense else "sparse",
+                "controller": p.children.controller is not None,
+                "steps": p.up.steps,
+            },
+            "report": None,
+        }
+        (p.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        if rows:
+            try:
+                summary["report"] = str(build_report(p.run_dir))
+            except (ReportError, OSError, ValueError) as exc:  # the run's data is kept; `sparrow report` can retry
+                log.error("no report: %s", exc)
+            (p.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+
+
+def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple[int, dict]:
+    """Carry out one run; returns (exit status: 0 completed, 1 failed, 130 interrupted; the summary).
+
+    SetupError and ConfigError (bad input) are raised before anything starts or is written.
+    """
+    plan = make_plan(up, run_dir)
+    write_run_files(plan)
+    handler = _log_to(plan.run_dir)
+    progress = progress_factory(plan)
+    run = UpRun(plan, progress)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    outcome, error, summary = FAILED, None, None
+    try:
+        log.info("run folder %s, config %s", plan.run_dir, json.dumps(up.dump_public()))
+        if plan.build_model:
+            build_model(plan, progress)
+        run.start()
+        run.supervise()
+        outcome = COMPLETED
+    except KeyboardInterrupt:
+        outcome = INTERRUPTED
+        progress.event("interrupted: stopping every service")
+    except (StartError, RunError, OSError) as exc:
+        error = str(exc)
+        log.error("run failed: %s", exc)
+        progress.event(f"failed: {error.splitlines()[0]}")
+    finally:
+        # Stopping must not be cut short by a second Ctrl-C: the children would be left running.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            summary = run.finish(outcome, error)
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, previous)
+            if summary is None:
+                progress.close()
+            else:
+                progress.finished(summary)
+            logging.getLogger("sparrow.up").removeHandler(handler)
+            handler.close()
+    return {COMPLETED: 0, INTERRUPTED: 130, FAILED: 1}[outcome], summary

@@ -1,0 +1,96 @@
+"""`sparrow up`: a whole local cluster for an RL run (Redis, Prometheus, generators, trainer, controller)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from sparrow_cli.errors import CliError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register `sparrow up`."""
+    p = subparsers.add_parser(
+        "up", help="run a local cluster for an RL job, with a live view, a run folder and a report"
+    )
+    p.add_argument("--config", metavar="FILE", help="up TOML file (see services/launcher/up.toml)")
+    p.add_argument("--model-size", choices=["tiny", "small"], help="the own model to train (model_size)")
+    p.add_argument("--model", metavar="DIR", help="HF-format policy folder to start from (model_dir)")
+    p.add_argument("--steps", type=int, help="training steps (steps)")
+    p.add_argument("--generators", type=int, help="generator processes (generators)")
+    p.add_argument("--no-controller", action="store_true", help="keep the starting schedule fixed (with_controller)")
+    p.add_argument("--dense", action="store_true", help="dense rollouts, no schedule (dense)")
+    p.add_argument("--compare", action="store_true", help="run dense, then sparse, and compare them")
+    p.add_argument("--engine", choices=["vllm", "reference"], help="generator engine (engine)")
+    p.add_argument("--run-dir", metavar="DIR", help="the run folder, new or empty (run_dir)")
+    p.add_argument("--json", action="store_true", help="quiet: one JSON object per step, then a summary")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the config, check the input, run the cluster."""
+    from services.launcher.config import UpConfig
+    from sparrow.config import ConfigError, load_config
+
+    if args.compare and args.dense:
+        raise CliError("--compare runs dense and sparse itself; drop --dense")
+    flags = {
+        "model_size": args.model_size,
+        "model_dir": args.model,
+        "steps": args.steps,
+        "generators": args.generators,
+        "with_controller": False if args.no_controller else None,
+        "dense": True if args.dense else None,
+        "engine": args.engine,
+        "run_dir": args.run_dir,
+    }
+    try:
+        config = load_config(UpConfig, args.config, {k: v for k, v in flags.items() if v is not None})
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    if args.print_config:
+        print(json.dumps(config.dump_public(), sort_keys=True))
+        return 0
+
+    from services.launcher.plan import SetupError
+    from services.launcher.progress import JsonProgress, LiveProgress
+    from services.launcher.run import run_up
+
+    def progress(plan):
+        if args.json:
+            return JsonProgress(tag={"mode": "dense" if plan.up.dense else "sparse"} if args.compare else None)
+        return LiveProgress(plan.up.steps, str(plan.run_dir))
+
+    try:
+        if args.compare:
+            from services.launcher.compare import run_compare
+
+            code, summary = run_compare(config, progress)
+        else:
+            code, summary = run_up(config, progress)
+    except (SetupError, ConfigError) as exc:
+        raise CliError(str(exc)) from None
+    if code == 1 and summary and summary.get("error"):
+        print(f"sparrow up: error: {summary['error'].splitlines()[0]}", file=sys.stderr)
+    if args.compare and code == 0:
+        _print_compare(summary, args.json)
+    return code
+
+
+def _print_compare(summary: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"type": "compare", **summary}), flush=True)
+        return
+    d, s = summary["dense"], summary["sparse"]
+
+    def f(value, spec=".3f"):
+        return "-" if value is None else format(value, spec)
+
+    print(
+        f"measured rollout speedup of sparse over dense: {f(summary['measured_rollout_speedup'], '.2f')}x "
+        f"({f(d['mean_rollout_tokens_per_s'], '.0f')} -> {f(s['mean_rollout_tokens_per_s'], '.0f')} tok/s)"
+    )
+    print(f"mean accuracy: dense {f(d['mean_accuracy'])}, sparse {f(s['mean_accuracy'])}")
+    print(f"report: {summary['report']}")

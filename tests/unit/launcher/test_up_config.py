@@ -1,0 +1,146 @@
+"""`sparrow up`'s config and how each child's config is resolved from it, written and read back."""
+
+import tomllib
+from pathlib import Path
+
+import pytest
+from pydantic import SecretStr
+
+from services.generator.config import GeneratorConfig
+from services.launcher.config import DEFAULT_SCHEDULE, LAUNCHER_DIR, UpConfig
+from services.launcher.ports import Ports
+from services.launcher.services import child_environment, config_text, resolve
+from services.trainer.config import TrainerServiceConfig
+from sparrow.config import ConfigError, load_config
+from sparrow.schedule import Schedule
+
+PORTS = Ports(6000, 6001, 6002, 6003, (6010, 6011), (6020, 6021), 6030)
+MODEL = Path("/models/tiny")
+
+
+def _resolve(up: UpConfig, tmp_path: Path):
+    schedule = Schedule.load(DEFAULT_SCHEDULE)
+    return resolve(up, tmp_path, MODEL, schedule, DEFAULT_SCHEDULE, PORTS)
+
+
+def test_the_shipped_config_spells_out_the_defaults():
+    assert load_config(UpConfig, LAUNCHER_DIR / "up.toml") == UpConfig()
+
+
+def test_children_get_the_wiring_the_local_defaults_and_the_users_overrides(tmp_path):
+    up = UpConfig(
+        steps=7,
+        generators=2,
+        engine="reference",
+        trainer={"sampling": {"n": 4}, "groups_per_step": 3},
+        generator={"engine": {"max_num_seqs": 8}},
+        controller={"interval_s": 2.0},
+    )
+    c = _resolve(up, tmp_path)
+    t = c.trainer
+    assert (t.steps, t.run_dir, t.model_dir) == (7, str(tmp_path / "trainer"), str(MODEL))
+    assert t.grpc.address == "127.0.0.1:6002" and t.metrics.port == 6003 and t.redis_url == "redis://127.0.0.1:6000/0"
+    assert (t.sampling.n, t.groups_per_step) == (4, 3)  # the user's table wins over the launcher's defaults
+    assert t.sampling.max_new_tokens == 64  # the launcher's local default
+    assert (t.metrics.bin_width, t.metrics.num_bins) == (128, 8)  # the schedule's bins
+    assert [g.generator_id for g in c.generators] == ["gen-0", "gen-1"]
+    g1 = c.generators[1]
+    assert (g1.metrics.port, g1.control.port, g1.trainer.address) == (6011, 6021, "127.0.0.1:6002")
+    assert (g1.engine.kind, g1.engine.max_num_seqs, g1.engine.model_dir) == ("reference", 8, str(MODEL))
+    assert g1.schedule.initial == str(DEFAULT_SCHEDULE) and g1.schedule.follow_redis
+    assert g1.engine.gpu_memory_utilization == pytest.approx(0.425)  # two engines share one accelerator
+    assert c.controller.interval_s == 2.0 and c.controller.api.port == 6030
+    assert c.controller.prometheus.url == "http://127.0.0.1:6001"
+    assert c.controller.cost.prompt_len == 3 * t.task.pairs + 5 and c.controller.cost.samples == 4
+
+
+def test_dense_runs_have_no_schedule_and_no_controller(tmp_path):
+    c = _resolve(UpConfig(dense=True), tmp_path)
+    assert c.controller is None
+    assert c.generators[0].schedule.initial == "" and not c.generators[0].schedule.follow_redis
+    assert _resolve(UpConfig(with_controller=False), tmp_path).controller is None
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"trainer": {"optim": {"lrr": 1}}}, "unknown config key 'trainer.optim.lrr'"),
+        ({"generator": {"bogus": 1}}, "unknown config key 'generator.bogus'"),
+        ({"trainer": {"steps": 3}}, "trainer.steps is set by sparrow up; use steps / --steps"),
+        ({"generator": {"metrics": {"port": 9}}}, "use ports.generator_metrics"),
+        ({"controller": {"retune": {"tau": 0.9}}}, "controller.retune.tau is set by sparrow up; use tau"),
+        ({"trainer": {"optim": {"lr": -1}}}, "invalid config value for 'trainer.optim.lr'"),
+    ],
+)
+def test_bad_service_tables_are_one_line_errors_naming_the_key(tmp_path, table, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")) as info:
+        _resolve(UpConfig(**table), tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_the_environment_is_for_up_not_for_its_children(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPARROW_STEPS", "3")
+    monkeypatch.setenv("SPARROW_RUN_DIR", "elsewhere")
+    monkeypatch.setenv("SPARROW_TRAINER__OPTIM__LR", "0.01")
+    up = load_config(UpConfig)
+    assert up.steps == 3 and up.run_dir == "elsewhere"
+    c = _resolve(up, tmp_path)
+    assert c.trainer.steps == 3 and c.trainer.run_dir == str(tmp_path / "trainer")  # not "elsewhere"
+    assert c.trainer.optim.lr == 0.01  # reached the trainer through up's [trainer] table
+
+
+def test_child_configs_are_written_whole_without_secrets_and_read_back_the_same(tmp_path):
+    c = _resolve(UpConfig(engine="reference"), tmp_path)
+    token = "s3cret-token"
+    secret = c.trainer.security.model_copy(update={"token": SecretStr(token)})
+    t = c.trainer.model_copy(update={"security": secret})
+    text = config_text(t, "trainer", "a header")
+    (tmp_path / "trainer.toml").write_text(text)
+    assert token not in text and text.startswith("# a header\n")
+    back = load_config(TrainerServiceConfig, tmp_path / "trainer.toml")
+    assert back.model_dump(exclude={"security"}) == c.trainer.model_dump(exclude={"security"})
+    (tmp_path / "gen.toml").write_text(config_text(c.generators[0], "generator", ""))
+    assert load_config(GeneratorConfig, tmp_path / "gen.toml").generator_id == "gen-0"
+
+
+def test_a_value_toml_cannot_carry_is_refused(tmp_path):
+    c = _resolve(UpConfig(), tmp_path)
+    # num_bins None means "open-ended", but TOML has no null and the file would mean the default 20.
+    t = c.trainer.model_copy(update={"metrics": c.trainer.metrics.model_copy(update={"num_bins": None})})
+    with pytest.raises(ConfigError, match="does not survive TOML.*metrics"):
+        config_text(t, "trainer", "")
+
+
+def test_child_environment_drops_config_variables_keeps_switches_and_adds_the_token():
+    base = {
+        "PATH": "/bin",
+        "SPARROW_STEPS": "5",
+        "SPARROW_OPTIM__LR": "1",
+        "SPARROW_NO_CPU_EXTENSION": "1",
+        "OMP_NUM_THREADS": "2",
+    }
+    env = child_environment(base, TrainerServiceConfig, {"SPARROW_SECURITY__TOKEN": "t"})
+    assert "SPARROW_STEPS" not in env and "SPARROW_OPTIM__LR" not in env
+    assert env["SPARROW_NO_CPU_EXTENSION"] == "1" and env["PATH"] == "/bin"
+    assert env["SPARROW_SECURITY__TOKEN"] == "t" and env["OMP_NUM_THREADS"] == "2" and env["PYTHONUNBUFFERED"] == "1"
+    assert child_environment({}, TrainerServiceConfig, {})["OMP_NUM_THREADS"] == "1"
+
+
+def test_the_run_config_never_holds_the_token():
+    up = UpConfig(token="abc")
+    assert up.cluster_token() == "abc"
+    assert "token" not in up.dump_public()
+    assert tomllib.loads((LAUNCHER_DIR / "up.toml").read_text()).get("token") is None
+
+
+def test_the_own_model_is_built_when_missing_and_a_given_folder_must_exist(tmp_path, monkeypatch):
+    from services.launcher import plan
+
+    monkeypatch.setattr(plan, "REPO_MODELS", tmp_path)  # a checkout whose models/ holds only `small`
+    (tmp_path / "small").mkdir()
+    (tmp_path / "small" / "config.json").write_text("{}")
+    assert plan.model_folder(UpConfig(model_size="small")) == (tmp_path / "small", False)
+    assert plan.model_folder(UpConfig(model_size="tiny")) == (tmp_path / "tiny", True)
+    assert plan.model_folder(UpConfig(model_dir=str(tmp_path / "small"))) == (tmp_path / "small", False)
+    with pytest.raises(plan.SetupError, match="no such folder"):
+        plan.model_folder(UpConfig(model_dir=str(tmp_path / "tiny")))

@@ -1,0 +1,110 @@
+"""The run report and the dense-vs-sparse comparison, built from metrics histories alone."""
+
+import json
+
+import pytest
+
+from services.launcher.compare import build_compare_report
+from services.launcher.report import ReportError, build_report, figures, headline
+from tests.cli_runner import sparrow
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(step: int, rate: float, accuracy: float, schedule: bool = True) -> dict:
+    return {
+        "step": step,
+        "reward": accuracy / 2,
+        "accuracy": accuracy,
+        "response_length": 12.5,
+        "p5": {"0": 0.99, "1": [0.81, 0.82, 0.83][step - 1]},
+        "alpha_tokens": {"0": 30, "1": 20},
+        "p5_promql": {},
+        "tau": 0.86,
+        "policy_version": step,
+        "published_version": step + 1,
+        "schedule_version": 2 if schedule else 0,
+        "schedule_budgets": [48, 64 + 16 * step] if schedule else None,
+        "bin_width": 16 if schedule else None,
+        "predicted_speedup": 1.7 if schedule else 1.0,
+        "rollout_tokens_per_s": rate,
+        "tokens_per_s": None if rate is None else rate / 2,
+        "generator_policy_versions": {"gen-0": step},
+    }
+
+
+def _run(folder, rows, summary=None):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if summary is not None:
+        (folder / "summary.json").write_text(json.dumps(summary))
+    return folder
+
+
+def test_the_report_shows_the_historys_figures_and_rebuilds_identically(tmp_path):
+    rows = [_row(1, 100.0, 0.25), _row(2, 120.0, 0.5), _row(3, 110.0, 0.75)]
+    work = {"groups_enqueued": 9, "groups_trained": 6, "groups_dropped_stale": 1, "groups_waiting": 2, "lost": []}
+    run = _run(tmp_path / "run", rows, {"outcome": "completed", "work": work, "run": {"model": "tiny"}})
+    path = build_report(run)
+    assert path == run / "report" / "report.md"
+    md = path.read_text()
+    assert "| 2 | 0.250 | 0.500 | 12.5 | 0.820 | 0:0.990 1:0.820 | v3 | v2 | 120.0 | 60.0 | 1.70 |" in md
+    assert "| mean rollout tokens/s (engine time) | 110.0 |" in md
+    assert "| prompt groups enqueued / trained / dropped stale / waiting | 9 / 6 / 1 / 2 |" in md
+    assert "outcome: completed" in md and "tiny model" in md
+    figs = json.loads((run / "report" / "figures.json").read_text())
+    assert figs == figures(rows)
+    assert figs["p5"]["bin 1"] == [[1, 0.81], [2, 0.82], [3, 0.83]]
+    assert figs["schedule"]["bin 1"] == [[1, 80], [2, 96], [3, 112]]
+    assert figs["tokens_per_s"]["rollout (engine time)"] == [[1, 100.0], [2, 120.0], [3, 110.0]]
+    for name in ("reward_accuracy", "p5", "schedule", "tokens_per_s"):
+        assert (run / "report" / f"{name}.png").read_bytes()[:8] == PNG
+        assert f"({name}.png)" in md
+    head = headline(rows)
+    assert head["final_min_p5"] == 0.83 and head["mean_accuracy"] == pytest.approx(0.5)
+    assert build_report(run).read_text() == md
+
+
+def test_a_dense_run_and_missing_figures_still_give_a_report(tmp_path):
+    rows = [_row(1, None, 0.5, schedule=False), _row(2, 50.0, 0.5, schedule=False)]
+    run = _run(tmp_path / "dense", rows)
+    md = build_report(run).read_text()
+    assert "| 1 | 0.250 | 0.500 | 12.5 | 0.810 | 0:0.990 1:0.810 | v2 | dense | - | - | 1.00 |" in md
+    assert figures(rows)["schedule"] == {}
+    assert (run / "report" / "schedule.png").read_bytes()[:8] == PNG
+
+
+def test_no_report_without_a_run_or_without_steps(tmp_path):
+    with pytest.raises(ReportError, match="no such folder"):
+        build_report(tmp_path / "nothing")
+    with pytest.raises(ReportError, match="holds no steps"):
+        build_report(_run(tmp_path / "empty", []))
+
+
+def test_the_comparison_reports_the_measured_speedup_and_both_accuracies(tmp_path):
+    _run(tmp_path / "cmp" / "dense", [_row(1, 100.0, 0.5, False), _row(2, 100.0, 0.75, False)])
+    _run(tmp_path / "cmp" / "sparse", [_row(1, 250.0, 0.5), _row(2, 230.0, 0.5)])
+    path, figs = build_compare_report(tmp_path / "cmp")
+    assert figs["measured_rollout_speedup"] == pytest.approx(2.4)
+    assert figs["accuracy_difference"] == pytest.approx(-0.125)
+    md = path.read_text()
+    assert "Measured rollout speedup of sparse over dense: **2.40x**" in md
+    assert "| mean accuracy | 0.625 | 0.500 |" in md
+    for png in ("compare_tokens_per_s.png", "compare_accuracy.png"):
+        assert (tmp_path / "cmp" / png).read_bytes()[:8] == PNG
+    assert (tmp_path / "cmp" / "dense" / "report" / "report.md").is_file()
+    assert json.loads((tmp_path / "cmp" / "compare.json").read_text()) == figs
+
+
+def test_sparrow_report_rebuilds_a_run_or_a_comparison_and_refuses_a_missing_folder(tmp_path):
+    run = _run(tmp_path / "run", [_row(1, 10.0, 0.5)])
+    r = sparrow("report", run, "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["report"] == str(run / "report" / "report.md") and out["steps_done"] == 1
+    _run(tmp_path / "cmp" / "dense", [_row(1, 10.0, 0.5, False)])
+    _run(tmp_path / "cmp" / "sparse", [_row(1, 20.0, 0.5)])
+    r = sparrow("report", tmp_path / "cmp")
+    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path / "cmp" / "report.md")
+    r = sparrow("report", tmp_path / "missing")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such folder" in r.stderr
