@@ -41,7 +41,7 @@ def test_children_get_the_wiring_the_local_defaults_and_the_users_overrides(tmp_
     assert (t.steps, t.run_dir, t.model_dir) == (7, str(tmp_path / "trainer"), str(MODEL))
     assert t.grpc.address == "127.0.0.1:6002" and t.metrics.port == 6003 and t.redis_url == "redis://127.0.0.1:6000/0"
     assert (t.sampling.n, t.groups_per_step) == (4, 3)  # the user's table wins over the launcher's defaults
-    assert t.sampling.max_new_tokens == 64  # the launcher's local default
+    assert t.sampling.max_new_tokens == 300  # the launcher's local default
     assert (t.metrics.bin_width, t.metrics.num_bins) == (128, 8)  # the schedule's bins
     assert [g.generator_id for g in c.generators] == ["gen-0", "gen-1"]
     g1 = c.generators[1]
