@@ -42,6 +42,7 @@ def tiny_config(
         *(f"{k} = {json.dumps(v)}" for k, v in (trainer or {}).items()),
         "[trainer.task]",
         f"pairs = {pairs}",
+        "min_hops = 1",
         "max_hops = 2",
         "[trainer.sampling]",
         "n = 4",

@@ -1,0 +1,79 @@
+"""Every Grafana panel's PromQL against the Prometheus of a live end-to-end run (`sparrow up`).
+
+`sparrow up` (tiny model, reference engine, 2 generators, the controller, a sparse schedule) runs in
+the background with its Prometheus on a port chosen here; once a few steps are done, every panel's
+query (with `$bin` as ".*" and as a populated bin) must be accepted by Prometheus and return data.
+Panels about events that a healthy short run does not produce are named in `QUIET_IN_A_HEALTHY_RUN`
+with the reason; their queries must still run.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.integration.deploy.test_dashboards_live import finite_values, instant_query, panel_queries, substitute
+from tests.integration.launcher.helpers import UpProcess, tiny_config
+from tests.servers import free_port
+
+pytestmark = pytest.mark.slow
+
+SCHEDULE = {"name": "live", "bin_width": 16, "budgets": [48, 48, 48, 64], "dense_layers": []}
+
+# Counters that only move when something goes wrong or is swapped; a healthy run has no samples.
+QUIET_IN_A_HEALTHY_RUN = {
+    "dead_lettered": "no group is dead-lettered in a healthy run",
+    "groups_dead": "no group is dead-lettered in a healthy run",
+    "dropped_stale": "no group is too stale in a short run",
+    "refused": "no swap is refused in a healthy run",
+    "rejected": "the trainer rejects nothing in a healthy run",
+    "adapter": "DistillSparse is off by default: no adapter is ever loaded",
+}
+
+
+def _quiet_reason(expr: str) -> str | None:
+    return next((why for key, why in QUIET_IN_A_HEALTHY_RUN.items() if key in expr), None)
+
+
+def test_every_panel_query_returns_data_from_a_live_sparrow_up_run(tmp_path):
+    prom_port = free_port()
+    config = tiny_config(
+        tmp_path / "up.toml",
+        schedule=SCHEDULE,
+        pairs=16,
+        top={"scrape_interval_s": 0.5, "steps": 200},
+        extra=f"[ports]\nprometheus = {prom_port}\n",
+    )
+    up = UpProcess("--config", str(config), "--generators", "2", "--run-dir", str(tmp_path / "run"), "--json")
+    try:
+        for _ in range(4):  # a few steps: every service has exported and been scraped several times
+            row = up.next_object(timeout=300)
+            assert row["type"] == "step", row
+        url = f"http://127.0.0.1:{prom_port}"
+        bins = sorted(row["p5"], key=int)
+        failures, quiet = [], []
+        for dashboard, title, expr in panel_queries():
+            for bin_value in (".*", bins[-1]):
+                query = substitute(expr, bin_value, "30s")
+                answer = instant_query(url, query)
+                assert answer["status"] == "success", f"{dashboard} / {title}: {query}: {answer}"
+                why = _quiet_reason(expr)
+                if why:
+                    quiet.append(title)
+                    continue
+                deadline = time.monotonic() + 60  # rates need a few scrapes; the controller ticks every few s
+                while not finite_values(instant_query(url, query)) and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                if not finite_values(instant_query(url, query)):
+                    failures.append(f"{dashboard} / {title}: {query}")
+        assert not failures, "panels without data in a live run:\n" + "\n".join(failures)
+        assert len(quiet) < len(panel_queries())  # the exemptions stay exceptions
+    finally:
+        if up.proc.poll() is None:
+            up.proc.send_signal(signal.SIGINT)
+            try:
+                up.wait(120)
+            except Exception:
+                up.kill()
