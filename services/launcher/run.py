@@ -235,7 +235,9 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
     def interrupt(*_):
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    # Both installed explicitly: a process started in the background of a non-interactive shell inherits
+    # SIGINT ignored, and Python then never raises KeyboardInterrupt, so Ctrl-C (or `kill -INT`) would do nothing.
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
     outcome, error, summary = FAILED, None, None
     try:
         log.info("run folder %s, config %s", plan.run_dir, json.dumps(up.dump_public()))
@@ -253,13 +255,13 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
         progress.event(f"failed: {error.splitlines()[0]}")
     finally:
         # Stopping must not be cut short by a second Ctrl-C: the children would be left running.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in previous:
+            signal.signal(sig, signal.SIG_IGN)
         try:
             summary = run.finish(outcome, error)
         finally:
-            signal.signal(signal.SIGINT, old_int)
-            signal.signal(signal.SIGTERM, previous)
+            for sig, before in previous.items():
+                signal.signal(sig, before)
             if summary is None:
                 progress.close()
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -60,7 +61,8 @@ def tiny_config(
 class UpProcess:
     """`sparrow up ... --json` in the background; its stdout lines are parsed as they come."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, sigint_ignored: bool = False) -> None:
+        """`sigint_ignored`: start it as a non-interactive shell starts a background job (SIGINT ignored)."""
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "sparrow_cli.main", "up", *args],
@@ -69,6 +71,7 @@ class UpProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None,
         )
         self.objects: queue.Queue = queue.Queue()
         self.lines: list[dict] = []
