@@ -74,6 +74,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--out", default=None, help="write the whole report here (JSON)")
     d.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     d.add_argument("--json", action="store_true", help="print JSON")
+    h = sub.add_parser("heldout", help="held-out accuracy of a `sparrow up` run's published policies, step by step")
+    h.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="`sparrow up` run folders (a --compare one gives both)"
+    )
+    h.add_argument(
+        "--difficulty", action="append", default=None, help="PAIRS:HOPS of the held-out prompts, repeatable (64:200)"
+    )
+    h.add_argument("--every", type=int, default=5, help="every N-th published version, and the last (default 5)")
+    h.add_argument("--samples", type=int, default=64, help="held-out prompts per difficulty and version (64)")
+    h.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling (0)")
+    h.add_argument("--plot", default=None, help="write the figure here (PNG)")
+    h.add_argument("--out", default=None, help="write the whole result here (JSON)")
+    h.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    h.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)
 
 
@@ -89,7 +103,48 @@ def run(args: argparse.Namespace) -> int:
         from sparrow_cli.bench_distill_cmd import run_distill
 
         return run_distill(args)
+    if args.bench == "heldout":
+        return _heldout(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
+
+
+def _heldout(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from bench.heldout import HeldoutError, heldout_curve, plot
+    from sparrow.tasks import TaskError
+    from sparrow_cli.model_cmd import _difficulty
+    from trainer.model_io import ModelLoadError
+
+    for flag in ("every", "samples", "threads"):
+        if getattr(args, flag) < 1:
+            raise CliError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    try:
+        difficulties = [_difficulty(d) for d in (args.difficulty or ["64:200"])]
+    except argparse.ArgumentTypeError as exc:
+        raise CliError(f"--difficulty: {exc}") from None
+    import torch
+
+    torch.set_num_threads(args.threads)
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    try:
+        result = heldout_curve(
+            [Path(d) for d in args.run_dirs], difficulties, args.every, args.samples, args.seed, log=say
+        )
+    except (HeldoutError, TaskError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from None
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, run in result["runs"].items():
+            print(f"{name}: change in held-out accuracy over the run: {run['change']}")
+    return 0
 
 
 def _attention(args: argparse.Namespace) -> int:

@@ -26,8 +26,18 @@ def _generate(model, prompts, max_new: int, sample: bool, seed: int):
     return out[:, ids.shape[1] :].tolist()
 
 
-def evaluate(model, tasks: list[ChainTask], samples: int = 64, seed: int = 0, batch: int = 32, log=print) -> list:
-    """Per task: greedy and sampled accuracy on `samples` held-out examples, and the KV lengths reached."""
+def evaluate(
+    model,
+    tasks: list[ChainTask],
+    samples: int = 64,
+    seed: int = 0,
+    batch: int = 32,
+    log=print,
+    modes: tuple[str, ...] = ("greedy", "sampled"),
+) -> list:
+    """Per task: greedy and/or sampled accuracy on `samples` held-out examples, and the KV lengths reached."""
+    if not modes or set(modes) - {"greedy", "sampled"}:
+        raise ValueError(f"modes must be a non-empty subset of greedy, sampled; got {modes}")
     eos = TOKEN_TO_ID[EOS]
     results = []
     for task in tasks:
@@ -35,7 +45,7 @@ def evaluate(model, tasks: list[ChainTask], samples: int = 64, seed: int = 0, ba
         examples = ExampleStream(task, seed=seed, split="heldout").take(samples)
         max_new = task.sequence_tokens() - task.prompt_tokens() + 8
         row = {"task": task.name, "pairs": task.pairs, "hops": task.max_hops, "samples": samples}
-        for mode in ("greedy", "sampled"):
+        for mode in modes:
             correct, kv = 0, []
             for i in range(0, samples, batch):
                 chunk = examples[i : i + batch]
@@ -50,9 +60,11 @@ def evaluate(model, tasks: list[ChainTask], samples: int = 64, seed: int = 0, ba
             row[f"{mode}_kv_mean"] = round(sum(kv) / len(kv), 1)
             row[f"{mode}_kv_max"] = max(kv)
         row["seconds"] = round(time.monotonic() - t0, 1)
+        last = modes[-1]
+        accuracies = " ".join(f"{m} {row[m + '_accuracy']:.2f}" for m in modes)
         log(
-            f"{task.name}: greedy {row['greedy_accuracy']:.2f} sampled {row['sampled_accuracy']:.2f} "
-            f"kv mean {row['sampled_kv_mean']:.0f} max {row['sampled_kv_max']} ({row['seconds']}s)"
+            f"{task.name}: {accuracies} "
+            f"kv mean {row[last + '_kv_mean']:.0f} max {row[last + '_kv_max']} ({row['seconds']}s)"
         )
         results.append(row)
     return results
