@@ -119,7 +119,9 @@ def resolve(
                 "engine": {
                     "max_model_len": max(256, 1 << (max_len - 1).bit_length()),
                     "max_num_seqs": 64,
-                    "enable_lora": False,  # no adapters are trained yet (DistillSparse is open)
+                    # LoRA support costs engine memory and time: on only when the trainer trains an adapter.
+                    "enable_lora": trainer.distill.enabled,
+                    "max_lora_rank": max(8, trainer.distill.rank),
                     # N engines share one accelerator (on CPU vLLM sizes its KV cache by itself).
                     "gpu_memory_utilization": round(0.85 / up.generators, 3),
                 },
@@ -147,6 +149,18 @@ def resolve(
         )
         for i in range(up.generators)
     )
+    if trainer.distill.enabled:
+        for g in generators:
+            if g.engine.kind == "vllm" and not g.engine.enable_lora:
+                raise ConfigError(
+                    "trainer.distill.enabled trains adapters for the generators, but generator.engine.enable_lora "
+                    "is false; drop one of them"
+                )
+            if g.engine.kind == "vllm" and g.engine.max_lora_rank < trainer.distill.rank:
+                raise ConfigError(
+                    f"generator.engine.max_lora_rank {g.engine.max_lora_rank} is below trainer.distill.rank "
+                    f"{trainer.distill.rank}"
+                )
     controller = None
     if up.uses_controller:
         s = trainer.sampling

@@ -61,10 +61,24 @@ def test_dense_runs_have_no_schedule_and_no_controller(tmp_path):
     assert _resolve(UpConfig(with_controller=False), tmp_path).controller is None
 
 
+def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):
+    assert not _resolve(UpConfig(), tmp_path).generators[0].engine.enable_lora
+    c = _resolve(UpConfig(trainer={"distill": {"enabled": True, "rank": 16}}, generators=2), tmp_path)
+    assert all(g.engine.enable_lora and g.engine.max_lora_rank == 16 for g in c.generators)
+
+
 @pytest.mark.parametrize(
     "table, message",
     [
         ({"trainer": {"optim": {"lrr": 1}}}, "unknown config key 'trainer.optim.lrr'"),
+        (
+            {"trainer": {"distill": {"enabled": True}}, "generator": {"engine": {"enable_lora": False}}},
+            "generator.engine.enable_lora is false",
+        ),
+        (
+            {"trainer": {"distill": {"enabled": True, "rank": 32}}, "generator": {"engine": {"max_lora_rank": 16}}},
+            "max_lora_rank 16 is below trainer.distill.rank 32",
+        ),
         ({"generator": {"bogus": 1}}, "unknown config key 'generator.bogus'"),
         ({"trainer": {"steps": 3}}, "trainer.steps is set by sparrow up; use steps / --steps"),
         ({"generator": {"metrics": {"port": 9}}}, "use ports.generator_metrics"),
