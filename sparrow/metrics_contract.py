@@ -17,6 +17,9 @@ Prometheus (written by the trainer, read by the controller):
 - ``sparrow_trainer_schedule_version`` gauge: the *oldest* schedule version behind the last
   step's tokens. A bin's data counts as produced under its current budget only once this reaches
   the version in which that budget was set.
+- ``sparrow_trainer_alpha_steps_total`` counter: steps whose tokens were recorded. A new value
+  means the gauges above hold a new step's reading, even when it equals the last one (p5 of 1.0
+  over a bin's 4,096 tokens, step after step, is the usual case for a lenient schedule).
 
 Optional probes (written by the trainer only for tokens generated under a probe request):
 ``sparrow_trainer_alpha_probe_p5``, ``sparrow_trainer_alpha_probe_tokens`` and
@@ -62,6 +65,7 @@ ALPHA_BUCKETS: tuple[float, ...] = (
 ALPHA_P5_GAUGE = "sparrow_trainer_alpha_p5"
 ALPHA_TOKENS_GAUGE = "sparrow_trainer_alpha_tokens"
 SCHEDULE_VERSION_GAUGE = "sparrow_trainer_schedule_version"
+ALPHA_STEPS_COUNTER = "sparrow_trainer_alpha_steps"  # exposed with the _total suffix
 
 PROBE_P5_GAUGE = "sparrow_trainer_alpha_probe_p5"
 PROBE_TOKENS_GAUGE = "sparrow_trainer_alpha_probe_tokens"

@@ -29,6 +29,7 @@ def queries(window_s: float, probes: bool) -> dict[str, str]:
         # Seconds since each bin's newest sample; a target that stopped answering is stale.
         "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({mc.ALPHA_TOKENS_GAUGE}))",
         "version": f"min({mc.SCHEDULE_VERSION_GAUGE})",
+        "steps": f"max({mc.ALPHA_STEPS_COUNTER}_total)",
     }
     if probes:
         q["probe_p5"] = f"min by ({mc.BIN_LABEL}) ({mc.PROBE_P5_GAUGE})"
@@ -77,6 +78,8 @@ class PrometheusSource:
         per_bin: dict[str, dict[int, float]] = {name: _by_bin(series) for name, series in by_name.items()}
         version_series = by_name["version"]
         version = int(version_series[0][1]) if version_series and math.isfinite(version_series[0][1]) else None
+        steps_series = by_name["steps"]
+        steps = int(steps_series[0][1]) if steps_series and math.isfinite(steps_series[0][1]) else None
         bins: dict[int, BinReading] = {}
         for index, age in per_bin["age"].items():
             if age > self.max_age_s:
@@ -91,7 +94,7 @@ class PrometheusSource:
                 probe_p5=per_bin.get("probe_p5", {}).get(index),
                 probe_tokens=per_bin.get("probe_tokens", {}).get(index, 0.0),
             )
-        return Snapshot(trainer_version=version, bins=bins)
+        return Snapshot(trainer_version=version, bins=bins, trainer_steps=steps)
 
 
 def _by_bin(series: list[tuple[dict[str, str], float]]) -> dict[int, float]:

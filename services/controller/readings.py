@@ -20,10 +20,15 @@ class BinReading:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One read of the trainer's metrics: the oldest schedule version behind them, and readings per bin."""
+    """One read of the trainer's metrics: the oldest schedule version behind them, and readings per bin.
+
+    `trainer_steps` counts the steps the trainer recorded: a reading is new when it changed (None
+    from a trainer without the counter: a reading is new when its values changed).
+    """
 
     trainer_version: int | None
     bins: dict[int, BinReading]
+    trainer_steps: int | None = None
 
 
 @dataclass(frozen=True)

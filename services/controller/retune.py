@@ -92,7 +92,7 @@ class Retuner:
             p5 = self._choose(state, status, reading, snapshot.trainer_version, now)
             if p5 is None:
                 continue
-            status.estimate = estimate = self._observe(state, p5, status.tokens, now)
+            status.estimate = estimate = self._observe(state, p5, status.tokens, snapshot.trainer_steps, now)
             move = self._decide(state, status, p5, estimate, now)
             if move is not None:
                 desired[i], reasons[i] = move
@@ -148,10 +148,13 @@ class Retuner:
         status.p5, status.tokens = candidates[source]
         return status.p5
 
-    def _observe(self, state: _Bin, p5: float, tokens: float, now: float) -> float:
+    def _observe(self, state: _Bin, p5: float, tokens: float, steps: int | None, now: float) -> float:
         c = self.config
-        if (p5, tokens) != state.last_raw:  # else: the same trainer step read again, nothing new
-            state.last_raw = (p5, tokens)
+        # The same trainer step read again adds nothing. With the trainer's step counter a new step
+        # counts even when its reading equals the last one; without it only a different reading does.
+        raw = ("steps", steps) if steps is not None else (p5, tokens)
+        if raw != state.last_raw:
+            state.last_raw = raw
             if state.memory.add(Point(state.budget, p5, tokens, now), now, c.prior_slope, c.min_slope):
                 state.ok_since = state.high_since = None
                 state.ok_readings = state.high_readings = 0

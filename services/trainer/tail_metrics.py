@@ -15,7 +15,7 @@ import math
 import threading
 
 import torch
-from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from sparrow import metrics_contract as mc
 from sparrow.acceptance import DEFAULT_QUANTILE, bin_index, binned_stats
@@ -34,6 +34,7 @@ class TailMetrics:
         self._sums: dict[int, float] = {}
         self._last: dict[int, tuple[float, int]] = {}  # bin -> (exact quantile, tokens) of the last step
         self._schedule_version: float = math.nan
+        self._steps = 0
         self._lock = threading.Lock()
 
     def record_step(self, alpha: torch.Tensor, kv_lens: torch.Tensor, oldest_schedule_version: int) -> None:
@@ -57,6 +58,7 @@ class TailMetrics:
                 self._sums[b] = self._sums.get(b, 0.0) + float(values.double().sum())
             self._last = {s.index: (s.quantile, s.count) for s in stats}
             self._schedule_version = float(oldest_schedule_version)
+            self._steps += 1
 
     def collect(self):
         """Prometheus collector protocol: the metric families, read under the lock."""
@@ -75,7 +77,8 @@ class TailMetrics:
                 tokens.add_metric([str(b)], n)
             version = GaugeMetricFamily(mc.SCHEDULE_VERSION_GAUGE, "Oldest schedule version behind the last step")
             version.add_metric([], self._schedule_version)
-        return [hist, p5, tokens, version]
+            steps = CounterMetricFamily(mc.ALPHA_STEPS_COUNTER, "Steps whose tokens were recorded", value=self._steps)
+        return [hist, p5, tokens, version, steps]
 
     def register(self, registry: CollectorRegistry) -> TailMetrics:
         """Serve these metrics from `registry`."""

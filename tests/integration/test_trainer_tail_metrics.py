@@ -41,8 +41,12 @@ def test_exposition_follows_the_contract():
     assert f'{mc.ALPHA_HISTOGRAM}_bucket{{bin="1",le="+Inf"}} 2.0' in text
     assert f'{mc.ALPHA_TOKENS_GAUGE}{{bin="1"}} 2.0' in text
     assert f"{mc.SCHEDULE_VERSION_GAUGE} 4.0" in text
+    assert f"{mc.ALPHA_STEPS_COUNTER}_total 1.0" in text
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         metrics.record_step(torch.tensor([1.5]), torch.tensor([3]), 4)
+    # The same values again are a new step: only the counter tells them apart.
+    metrics.record_step(torch.tensor([0.5, 0.86, 1.0, 0.99]), torch.tensor([10, 20, 2500, 2600]), 4)
+    assert f"{mc.ALPHA_STEPS_COUNTER}_total 2.0" in generate_latest(registry).decode()
 
 
 def test_promql_p5_per_bin_matches_the_exact_gauge():

@@ -155,6 +155,19 @@ def test_repeated_identical_readings_do_not_count_as_new_evidence():
     assert r.step(schedule, Snapshot(1, {0: reading(0.951, 5002)}), now=7).changed
 
 
+def test_new_trainer_steps_with_the_same_reading_count_once_each():
+    # A lenient budget reads p5 1.0 over a bin's 4,096 tokens at every step: the values never change,
+    # only the trainer's step counter does. Each step is new evidence; a step read twice is not.
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=3)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(2048,))
+    for t in range(5):
+        assert not r.step(schedule, Snapshot(1, {0: reading(1.0, 4096)}, trainer_steps=7), now=t).changed
+    assert not r.step(schedule, Snapshot(1, {0: reading(1.0, 4096)}, trainer_steps=8), now=6).changed
+    proposal = r.step(schedule, Snapshot(1, {0: reading(1.0, 4096)}, trainer_steps=9), now=7)
+    assert proposal.changed and proposal.budgets[0] < 2048 and proposal.decisions[0].reason == "lower"
+
+
 def test_data_from_an_older_budget_waits_and_blind_or_thin_data_never_acts():
     config = RetuneConfig()
     r = Retuner(config, window_s=5)

@@ -10,6 +10,7 @@ TRAINER_METRICS = (
     "sparrow_trainer_alpha_p5",
     "sparrow_trainer_alpha_tokens",
     "sparrow_trainer_schedule_version",
+    "sparrow_trainer_alpha_steps_total",
     "sparrow_trainer_reward_mean",
     "sparrow_trainer_accuracy_ratio",
     "sparrow_trainer_response_length_tokens",
