@@ -222,7 +222,18 @@ def _held(since: float | None, count: int, now: float, c: RetuneConfig) -> bool:
 
 
 def _finish(schedule: Schedule, desired: list[int], reasons: dict[int, str], statuses: list[BinStatus]) -> Proposal:
-    """Repair `desired` into a non-decreasing schedule and name every change's reason."""
+    """Repair `desired` into a non-decreasing schedule and name every change's reason.
+
+    A bin no sequence reaches (no data at all, such as the bins shorter than every prompt) follows
+    the next bin down rather than holding it up: its budget is used by no token, and kept above
+    its neighbour it would stop every later bin from ever being lowered.
+    """
+    desired = list(desired)
+    followed: dict[int, int] = {}
+    for i in range(len(desired) - 2, -1, -1):
+        if statuses[i].state == "no_data" and desired[i + 1] < desired[i]:
+            desired[i] = desired[i + 1]
+            followed[i] = i + 1
     final: list[int] = []
     for want in desired:
         final.append(max(want, final[-1]) if final else want)
@@ -234,7 +245,9 @@ def _finish(schedule: Schedule, desired: list[int], reasons: dict[int, str], sta
         reason = detail.split(":")[0] if detail else "repair"
         if detail and (new > old) != (reason == "raise"):
             reason = "repair"  # an earlier bin's raise outweighed this bin's own lowering
-        if reason == "repair":
+        if reason == "repair" and i in followed and new < old:
+            detail = f"repair: no data in this bin, kept at or below bin {followed[i]}"
+        elif reason == "repair":
             detail = f"repair: kept non-decreasing after bin {_source_bin(final, i)}"
         elif new != desired[i]:
             detail += f"; kept at {new} >= bin {_source_bin(final, i)}"

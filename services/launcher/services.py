@@ -170,7 +170,14 @@ def resolve(
             {
                 "interval_s": 5.0,
                 # Budgets of the own small models are tens of tokens: a fine grid and few tokens per reading.
-                "retune": {"min_budget": 48, "max_budget": 4096, "budget_quantum": 16, "min_tokens": 200},
+                # Steps of a few seconds: hold a lowering for several steps, not the service's 2 minutes.
+                "retune": {
+                    "min_budget": 48,
+                    "max_budget": 4096,
+                    "budget_quantum": 16,
+                    "min_tokens": 200,
+                    "lower_hold_s": 30.0,
+                },
                 "prometheus": {"window_s": 30.0, "max_age_s": 60.0},
                 "api": {"host": HOST},
                 "cost": {

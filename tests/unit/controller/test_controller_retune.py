@@ -168,6 +168,26 @@ def test_new_trainer_steps_with_the_same_reading_count_once_each():
     assert proposal.changed and proposal.budgets[0] < 2048 and proposal.decisions[0].reason == "lower"
 
 
+def test_a_bin_no_sequence_reaches_follows_the_next_bin_down_instead_of_pinning_it():
+    # Bin 0 is shorter than every prompt: never any data. Bins 1-2 hold with room to spare, step after
+    # step; bin 3 is beyond every sequence. Lowering 1-2 must not be blocked by bin 0's budget.
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=2, min_budget=48, budget_quantum=16)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(512, 512, 512, 512), bin_width=128)
+    proposal = None
+    for t in range(1, 4):
+        bins = {1: reading(1.0, 4096), 2: reading(1.0, 4096)}
+        proposal = r.step(schedule, Snapshot(1, bins, trainer_steps=t), now=t)
+        if proposal.changed:
+            break
+    assert proposal is not None and proposal.changed
+    b = proposal.budgets
+    assert b[1] < 512 and b[0] <= b[1] <= b[2] <= b[3] == 512
+    by_bin = {d.bin: d for d in proposal.decisions}
+    assert by_bin[0].reason == "repair" and "no data in this bin" in by_bin[0].detail
+    assert by_bin[1].reason == "lower"
+
+
 def test_data_from_an_older_budget_waits_and_blind_or_thin_data_never_acts():
     config = RetuneConfig()
     r = Retuner(config, window_s=5)
