@@ -28,7 +28,7 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
-from services.generator.plugin import WORKER_EXTENSION
+from services.generator.plugin import WORKER_EXTENSION, engine_attention_backend
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 
@@ -64,6 +64,7 @@ class VllmEngineConfig:
     top_logprobs: int = 20
     kv_cache_gib: int = 1  # CPU only: memory for the KV cache (vLLM would otherwise take a share of RAM)
     ignore_eos: bool = False  # benchmarks: every sequence runs to max_new_tokens
+    attention_backend: str | None = None  # None: the plugin's (TRITON_ATTN on CUDA), else vLLM's choice
 
 
 class VllmEngine(RolloutEngine):
@@ -101,6 +102,7 @@ class VllmEngine(RolloutEngine):
             distributed_executor_backend="uni",
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
+            attention_backend=config.attention_backend or engine_attention_backend(),
             seed=config.seed,
             hf_overrides=overrides,
         )

@@ -5,6 +5,10 @@ starts, the spawned workers included, which is why registering from the parent a
 enough. `register()` re-points the platform's attention backend at our subclass through vLLM's
 backend registry, by import path, so workers import it lazily. It is safe to call twice.
 
+On CPU that is `CPU_ATTN` (vLLM's only CPU backend, `cpu_backend`); on CUDA it is `TRITON_ATTN`
+(`cuda_backend`), which vLLM would not pick by itself there: an engine asks for it by name
+(`engine_attention_backend`). Other platforms (ROCm, TPU, XPU, ...) are refused with a clear error.
+
 `SPARROW_ATTENTION=stock` in the environment keeps vLLM's own attention (stock runs in the same
 installation, e.g. for parity tests); the model fixes in `patches` apply either way.
 """
@@ -18,6 +22,8 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_VLLM = ("0.32.",)
 CPU_BACKEND = "services.generator.plugin.cpu_backend.SparrowCPUAttentionBackend"
+CUDA_BACKEND = "services.generator.plugin.cuda_backend.SparrowTritonAttentionBackend"
+CUDA_BACKEND_NAME = "TRITON_ATTN"
 WORKER_EXTENSION = "services.generator.plugin.worker_ext.SparrowWorkerExtension"
 
 
@@ -38,6 +44,19 @@ def enabled() -> bool:
     return os.environ.get("SPARROW_ATTENTION", "sparse").lower() != "stock"
 
 
+def engine_attention_backend() -> str | None:
+    """The `attention_backend` an engine must ask vLLM for so that the plugin's attention runs.
+
+    TRITON_ATTN on CUDA (vLLM would otherwise pick another backend there); None on CPU, where
+    CPU_ATTN is vLLM's only choice, and in stock mode, which keeps vLLM's own choice.
+    """
+    if not enabled():
+        return None
+    from vllm.platforms import current_platform
+
+    return CUDA_BACKEND_NAME if current_platform.is_cuda() else None
+
+
 def register() -> None:
     """Apply the model patches and point vLLM's attention backend at the block-sparse one (idempotent)."""
     import vllm
@@ -55,10 +74,12 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_ATTN, CPU_BACKEND)
         log.debug("sparrow: CPU_ATTN -> %s", CPU_BACKEND)
+    elif current_platform.is_cuda():
+        register_backend(AttentionBackendEnum[CUDA_BACKEND_NAME], CUDA_BACKEND)
+        log.debug("sparrow: %s -> %s", CUDA_BACKEND_NAME, CUDA_BACKEND)
     else:
-        # The CUDA path (Triton kernels behind the TRITON_ATTN backend) is not built yet; say so
-        # instead of silently running dense.
+        # Say so instead of silently running dense.
         raise UnsupportedVllmError(
-            f"sparrow's vLLM plugin has no attention backend for platform {current_platform.device_name!r} yet; "
-            "set SPARROW_ATTENTION=stock to run dense"
+            f"sparrow's vLLM plugin has no attention backend for platform {current_platform.device_name!r} "
+            "(it supports CPU and CUDA); set SPARROW_ATTENTION=stock to run dense"
         )

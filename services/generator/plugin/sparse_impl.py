@@ -18,24 +18,14 @@ Per step (`forward`, after `do_kv_cache_update` wrote the step's keys and values
 
 from __future__ import annotations
 
-import re
-
 import torch
 import torch.nn.functional as F
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kernels import PAGE_SIZE, block_sparse_decode, new_centroids, sparse_decode_attention, update_centroids
-from sparrow.schedule import Schedule
+from kernels import PAGE_SIZE, new_centroids, update_centroids
+from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
 
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-def layer_index_of(layer_name: str) -> int:
-    """The decoder layer number in a vLLM layer name like `model.layers.3.self_attn.attn`."""
-    m = _LAYER_INDEX.search(layer_name)
-    if m is None:
-        raise ValueError(f"cannot tell the layer number of attention layer {layer_name!r}")
-    return int(m.group(1))
+__all__ = ["SparrowAttentionImpl", "layer_index_of", "split_kv_cache"]
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +37,7 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return halves[0], halves[1]
 
 
-class SparrowAttentionImpl(AttentionImpl):
+class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
     """Decoder self-attention with block-sparse decode under a runtime-settable schedule."""
 
     def __init__(
@@ -64,32 +54,18 @@ class SparrowAttentionImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        unsupported = {
-            "ALiBi": alibi_slopes is not None,
-            "sliding-window attention": sliding_window is not None,
-            "logit soft-capping": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
-            f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype != "auto",
-            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-            "KV sharing across layers": kv_sharing_target_layer_name is not None,
-        }
-        refused = [name for name, bad in unsupported.items() if bad]
-        if refused:
-            raise NotImplementedError(
-                f"sparrow block-sparse attention does not support {', '.join(refused)}; "
-                "run this model with SPARROW_ATTENTION=stock"
-            )
+        refuse_unsupported(
+            alibi_slopes,
+            sliding_window,
+            logits_soft_cap,
+            kv_cache_dtype,
+            attn_type,
+            kv_sharing_target_layer_name,
+            sinks,
+        )
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = None
-        self.schedule: Schedule | None = None
-        self.backend = "auto"
-        self.layer_index: int | None = None
-        self.centroids: torch.Tensor | None = None
-
-    def set_schedule(self, schedule: Schedule | None) -> None:
-        """Decode under `schedule` from the next forward on (None: dense)."""
-        self.schedule = schedule
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_cache, v_cache = split_kv_cache(kv_cache)
@@ -140,13 +116,13 @@ class SparrowAttentionImpl(AttentionImpl):
                 self._refresh_last_pages(k_cache, block_table, seq_lens)
             else:
                 update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - 1, backend=self.backend)
-            out.copy_(self._decode(q, k_cache, v_cache, block_table, seq_lens))
+            out.copy_(self.decode_rows(q, k_cache, v_cache, block_table, seq_lens))
             return output
         update_centroids(k_cache, self.centroids, block_table, seq_lens, seq_lens - q_lens, backend=self.backend)
         decoding = (q_lens == 1).nonzero().squeeze(1)
         if decoding.numel():
             at = starts[decoding]
-            out[at] = self._decode(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding])
+            out[at] = self.decode_rows(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding])
         for r in (q_lens > 1).nonzero().squeeze(1).tolist():
             s, e = int(starts[r]), int(starts[r + 1])
             out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
@@ -164,28 +140,6 @@ class SparrowAttentionImpl(AttentionImpl):
         filled = pos - page * PAGE_SIZE + 1
         mask = torch.arange(PAGE_SIZE, device=keys.device)[None, :] < filled[:, None]
         self.centroids[blocks, :, slots] = (keys * mask[:, None, :, None]).sum(dim=2) / filled[:, None, None].float()
-
-    def _decode(self, q, k_cache, v_cache, block_table, seq_lens) -> torch.Tensor:
-        s = self.schedule
-        if s is None or self.layer_index in s.dense_layers:
-            return sparse_decode_attention(
-                q, k_cache, v_cache, block_table, seq_lens, None, self.scale, backend=self.backend
-            )
-        budgets = s.budget_pages(seq_lens)
-        out, _ = block_sparse_decode(
-            q,
-            k_cache,
-            v_cache,
-            self.centroids,
-            block_table,
-            seq_lens,
-            budgets,
-            s.sink_blocks,
-            s.local_blocks,
-            self.scale,
-            backend=self.backend,
-        )
-        return out
 
     def _prefill(self, q, k_cache, v_cache, block_row, seq_len: int) -> torch.Tensor:
         # Causal attention of the chunk's queries (the last q_len positions) over the row's whole prefix.

@@ -11,16 +11,17 @@ from pathlib import Path
 
 import torch
 
-from services.generator.plugin.sparse_impl import SparrowAttentionImpl
+from services.generator.plugin.scheduled_decode import ScheduledDecode
 from sparrow.schedule import Schedule
 
 
 class SparrowWorkerExtension:
     """Mixed into vLLM's worker: schedule swaps and in-place weight reloads."""
 
-    def _sparrow_impls(self) -> list[SparrowAttentionImpl]:
+    def _sparrow_impls(self) -> list[ScheduledDecode]:
+        # The CPU and the CUDA impls alike.
         model = self.model_runner.get_model()
-        return [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), SparrowAttentionImpl)]
+        return [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), ScheduledDecode)]
 
     def sparrow_set_schedule(self, schedule_json: str | None) -> int:
         """Decode under this schedule (JSON of `Schedule.to_json`; None: dense) from the next step on.
