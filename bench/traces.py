@@ -1,0 +1,99 @@
+"""Controller traces of several `sparrow up` runs side by side: p5 per bin against tau, budgets, accuracy.
+
+    python -m bench.traces RUN_DIR [RUN_DIR ...] --out traces.png [--bins 1,2,3]
+
+One column per run, read from its `metrics.jsonl` (one row per training step, as `sparrow up`
+writes it): the exact p5 of alpha of each populated bin with tau and the [tau, tau + 0.05] band
+the controller aims for, the budget the schedule gave each bin, and the step's accuracy. A
+`sparrow report RUN_DIR` shows one run; this puts the runs of an experiment on one figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def load_rows(run_dir: Path) -> list[dict]:
+    """The per-step rows of a run; ValueError naming the file when there are none."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"{run_dir}: no metrics.jsonl (not a `sparrow up` run folder)")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "step" in r]
+    if not rows:
+        raise ValueError(f"{path}: no steps recorded")
+    return rows
+
+
+def populated_bins(rows: list[dict]) -> list[int]:
+    """Bins with a p5 reading in any step, in order."""
+    return sorted({int(b) for r in rows for b in (r.get("p5") or {})})
+
+
+def plot(runs: dict[str, list[dict]], out: str | Path, bins: list[int] | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, len(runs), figsize=(4.2 * len(runs), 8), sharex="col", squeeze=False)
+    for col, (name, rows) in enumerate(runs.items()):
+        tau = rows[-1].get("tau") or 0.86
+        shown = bins or populated_bins(rows)
+        steps = [r["step"] for r in rows]
+        ax = axes[0][col]
+        ax.axhspan(tau, tau + 0.05, color="green", alpha=0.12, label="[tau, tau + 0.05]")
+        ax.axhline(tau, color="red", linestyle="--", linewidth=1)
+        for b in shown:
+            ax.plot(steps, [(r.get("p5") or {}).get(str(b)) for r in rows], marker=".", label=f"bin {b}")
+        ax.set_title(name)
+        ax.set_ylim(-0.03, 1.03)
+        if col == 0:
+            ax.set_ylabel("p5 of alpha (exact)")
+        ax.legend(fontsize=7)
+        ax = axes[1][col]
+        for b in shown:
+            ax.step(
+                steps,
+                [(r.get("schedule_budgets") or [None] * (b + 1))[b] for r in rows],
+                where="post",
+                label=f"bin {b}",
+            )
+        if col == 0:
+            ax.set_ylabel("KV budget (tokens)")
+        ax.legend(fontsize=7)
+        ax = axes[2][col]
+        ax.plot(steps, [r.get("accuracy") for r in rows], marker=".", color="black")
+        ax.set_ylim(-0.03, 1.03)
+        ax.set_xlabel("step")
+        if col == 0:
+            ax.set_ylabel("accuracy (step's prompts)")
+    for row in axes:
+        for ax in row:
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.traces", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("--out", required=True, help="the figure (PNG)")
+    p.add_argument("--bins", default=None, help="comma-separated bins to show (default: every populated one)")
+    args = p.parse_args(argv)
+    try:
+        bins = [int(b) for b in args.bins.split(",")] if args.bins else None
+        runs = {Path(d).name: load_rows(Path(d)) for d in args.run_dirs}
+    except ValueError as exc:
+        print(f"bench.traces: error: {exc}", file=sys.stderr)
+        return 2
+    plot(runs, args.out, bins)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
