@@ -2,6 +2,7 @@
 and PromQL's histogram_quantile per bin lands within one bucket of the exact p5 gauge."""
 
 import json
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -56,18 +57,26 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
     port = free_port()
     server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
     gen = torch.Generator().manual_seed(0)
+    stop = threading.Event()
+
+    def trainer_steps():  # a step every 0.5 s until the queries are done, as a live trainer does
+        while not stop.is_set():
+            alpha, kv = _step(gen)
+            metrics.record_step(alpha, kv, oldest_schedule_version=1)
+            stop.wait(0.5)
+
+    feeder = threading.Thread(target=trainer_steps, daemon=True)
     try:
         with prometheus_server([f"127.0.0.1:{port}"]) as prom:
-            deadline = time.monotonic() + 12
-            while time.monotonic() < deadline:  # steps for a few scrape intervals
-                alpha, kv = _step(gen)
-                metrics.record_step(alpha, kv, oldest_schedule_version=1)
-                time.sleep(0.5)
+            feeder.start()
+            time.sleep(12)  # a few scrape intervals of steps
             promql = f"histogram_quantile(0.05, sum by (le, bin) (rate({mc.ALPHA_HISTOGRAM}_bucket[10s])))"
             wait_until(lambda: len(_query(prom.url, promql)) == 3, 20, "a PromQL p5 for every bin", prom)
             estimated = _query(prom.url, promql)
             exact = _query(prom.url, f"{mc.ALPHA_P5_GAUGE}")
     finally:
+        stop.set()
+        feeder.join(5)
         server.shutdown()
         server.server_close()
     edges = (0.0, *mc.ALPHA_BUCKETS)
