@@ -1,6 +1,7 @@
 """The trainer's tail metrics as the controller sees them: a real Prometheus scrapes the exporter,
 and PromQL's histogram_quantile per bin lands within one bucket of the exact p5 gauge."""
 
+import asyncio
 import json
 import threading
 import time
@@ -11,6 +12,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 
+from services.controller.prometheus_source import PrometheusSource
 from services.trainer.tail_metrics import TailMetrics
 from sparrow import metrics_contract as mc
 from tests.servers import free_port, prometheus_server, wait_until
@@ -21,6 +23,14 @@ def _query(url: str, promql: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{url}/api/v1/query?{q}", timeout=5) as resp:
         data = json.load(resp)["data"]["result"]
     return {r["metric"].get("bin", ""): float(r["value"][1]) for r in data}
+
+
+async def _controller_read(url: str):
+    source = PrometheusSource(url, window_s=10, timeout_s=5, max_age_s=60)
+    try:
+        return await source.read(time.time())
+    finally:
+        await source.aclose()
 
 
 def _step(gen: torch.Generator, n: int = 4000) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +84,8 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
             wait_until(lambda: len(_query(prom.url, promql)) == 3, 20, "a PromQL p5 for every bin", prom)
             estimated = _query(prom.url, promql)
             exact = _query(prom.url, f"{mc.ALPHA_P5_GAUGE}")
+            # The controller's own reader sees the same bins and the trainer's step counter.
+            snapshot = asyncio.run(_controller_read(prom.url))
     finally:
         stop.set()
         feeder.join(5)
@@ -86,4 +98,6 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
         low, high = edges[max(0, i - 2)], edges[min(len(edges) - 1, i + 1)]
         assert low <= estimated[b] <= high, f"bin {b}: PromQL p5 {estimated[b]:.3f} vs exact {p5:.3f}"
     assert exact["2"] < exact["0"]  # the longer bin's tail is worse, and both views agree on it
+    assert set(snapshot.bins) == {0, 1, 2} and snapshot.trainer_version == 1
+    assert snapshot.trainer_steps is not None and snapshot.trainer_steps >= 5
     assert estimated["2"] < estimated["0"]
