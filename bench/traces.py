@@ -11,20 +11,19 @@ the controller aims for, the budget the schedule gave each bin, and the step's a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 
 def load_rows(run_dir: Path) -> list[dict]:
     """The per-step rows of a run; ValueError naming the file when there are none."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise ValueError(f"{run_dir}: no metrics.jsonl (not a `sparrow up` run folder)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "step" in r]
+    from services.launcher.history import HISTORY_FILE, read_history
+
+    if not (Path(run_dir) / HISTORY_FILE).is_file():
+        raise ValueError(f"{run_dir}: no {HISTORY_FILE} (not a `sparrow up` run folder)")
+    rows = [r for r in read_history(Path(run_dir)) if "step" in r]
     if not rows:
-        raise ValueError(f"{path}: no steps recorded")
+        raise ValueError(f"{run_dir / HISTORY_FILE}: no steps recorded")
     return rows
 
 

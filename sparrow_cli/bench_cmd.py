@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparrow_cli.errors import CliError
+from sparrow_cli.errors import CliError, require_positive
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -118,9 +118,7 @@ def _heldout(args: argparse.Namespace) -> int:
     from sparrow_cli.model_cmd import _difficulty
     from trainer.model_io import ModelLoadError
 
-    for flag in ("every", "samples", "threads"):
-        if getattr(args, flag) < 1:
-            raise CliError(f"--{flag} must be positive, got {getattr(args, flag)}")
+    require_positive(args, "every", "samples", "threads")
     try:
         difficulties = [_difficulty(d) for d in (args.difficulty or ["64:200"])]
     except argparse.ArgumentTypeError as exc:
@@ -148,17 +146,7 @@ def _heldout(args: argparse.Namespace) -> int:
 
 
 def _attention(args: argparse.Namespace) -> int:
-    for flag, value in (
-        ("--context", args.context),
-        ("--budget", args.budget),
-        ("--batch", args.batch),
-        ("--kv-heads", args.kv_heads),
-        ("--q-heads", args.q_heads),
-        ("--head-dim", args.head_dim),
-        ("--iters", args.iters),
-    ):
-        if value < 1:
-            raise CliError(f"{flag} must be positive, got {value}")
+    require_positive(args, "context", "budget", "batch", "kv_heads", "q_heads", "head_dim", "iters")
     import torch
 
     from bench.attention import run_attention_bench

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sparrow_cli.errors import CliError
+from sparrow_cli.errors import CliError, require_positive
 
 
 def _settings(args: argparse.Namespace):
@@ -16,9 +16,9 @@ def _settings(args: argparse.Namespace):
 
     if not (Path(args.model) / "config.json").is_file():
         raise CliError(f"--model {args.model}: no config.json there (build one with `sparrow model build`)")
-    for flag in ("bin_width", "pairs", "hops", "steps", "groups", "group_size", "heldout", "rank", "epochs", "threads"):
-        if getattr(args, flag) < 1:
-            raise CliError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    require_positive(
+        args, "bin_width", "pairs", "hops", "steps", "groups", "group_size", "heldout", "rank", "epochs", "threads"
+    )
     if args.group_size < 2:
         raise CliError("--group-size must be at least 2 (GRPO compares samples within a group)")
     try:

@@ -6,16 +6,13 @@ import argparse
 import os
 from pathlib import Path
 
-from sparrow_cli.errors import CliError
+from sparrow_cli.errors import CliError, require_positive
 
 
 def _check(args: argparse.Namespace) -> None:
     if not (Path(args.model) / "config.json").is_file():
         raise CliError(f"--model {args.model}: no config.json there (build one with `sparrow model build`)")
-    for flag in ("prompt_len", "gen_len", "batch", "prompts", "threads"):
-        value = getattr(args, flag, 1)
-        if value < 1:
-            raise CliError(f"--{flag.replace('_', '-')} must be positive, got {value}")
+    require_positive(args, "prompt_len", "gen_len", "batch", "prompts", "threads")
 
 
 def _schedule(spec: str):
