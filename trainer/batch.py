@@ -28,6 +28,7 @@ class Rollout:
     kv_budgets: tuple[int, ...] = ()
     policy_version: int = 0
     schedule_version: int = 0
+    probe: bool = False  # generated under a probe request (kv_budgets are the probe's where it applied)
 
     @property
     def prompt_len(self) -> int:

@@ -88,7 +88,7 @@ class Retuner:
             reading = snapshot.bins.get(i) if snapshot is not None else None
             if reading is None:
                 continue
-            self._observe_probe(state, reading, now)
+            self._observe_probe(state, reading, snapshot.trainer_steps, now)
             p5 = self._choose(state, status, reading, snapshot.trainer_version, now)
             if p5 is None:
                 continue
@@ -164,13 +164,15 @@ class Retuner:
             state.high_since, state.high_readings = _hold(state.high_since, state.high_readings, high, now)
         return state.memory.mean(state.budget)
 
-    def _observe_probe(self, state: _Bin, r: BinReading, now: float) -> None:
+    def _observe_probe(self, state: _Bin, r: BinReading, steps: int | None, now: float) -> None:
         c = self.config
         if r.probe_budget is None or r.probe_p5 is None or r.probe_tokens < c.min_tokens:
             return
+        # As for the bin's own reading: one trainer step counts once, even when it equals the last.
         raw = (r.probe_budget, r.probe_p5, r.probe_tokens)
-        if raw != state.last_probe:
-            state.last_probe = raw
+        key = ("steps", steps) if steps is not None else raw
+        if key != state.last_probe:
+            state.last_probe = key
             state.memory.add(Point(*raw, now), now, c.prior_slope, c.min_slope)
 
     def _decide(self, state: _Bin, status: BinStatus, p5: float, estimate: float, now: float) -> tuple[int, str] | None:

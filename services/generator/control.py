@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import grpc
 
@@ -23,6 +24,7 @@ from services.common.grpc_server import (
 from services.generator.engine import EngineError
 from services.generator.service import GeneratorService
 from services.generator.weight_fetch import WeightFetchError, WeightsUnavailable
+from sparrow.probe import Probe, ProbeError
 from sparrow.schedule import Schedule, ScheduleError
 
 log = logging.getLogger("sparrow.generator.control")
@@ -61,6 +63,20 @@ def schedule_to_proto(schedule: Schedule | None) -> common_pb2.Schedule:
     )
 
 
+def probe_from_proto(p: generator_pb2.Probe, schedule: Schedule) -> Probe | None:
+    """The probe of a SetSchedule call for `schedule` (budget 0 keeps the schedule's; share 0: no probe).
+
+    Raises ProbeError when it is malformed, expired or does not fit the schedule."""
+    if p.share == 0:
+        return None
+    if p.expires_at <= time.time():
+        raise ProbeError("expires_at must be a time in the future (Unix seconds)")
+    budgets = tuple(b if b else None for b in p.budgets)
+    probe = Probe(schedule.version, p.share, budgets, p.expires_at)
+    probe.plan(schedule)  # raises when the budgets do not fit the schedule's layout
+    return probe
+
+
 def _versions(service: GeneratorService) -> common_pb2.Versions:
     v = service.serving
     return common_pb2.Versions(
@@ -78,15 +94,25 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
         """Validate the schedule and apply it from the next engine step."""
         if not request.HasField("schedule"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule is required")
-        if request.HasField("probe") and request.probe.share > 0:
-            # The engine interface has no per-sequence budget override yet; accepting would be a lie.
-            context.abort(grpc.StatusCode.UNIMPLEMENTED, "probes are not supported by this generator's engine")
         try:
             schedule = schedule_from_proto(request.schedule)
         except ScheduleError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid schedule: {exc}")
+        probe = None
+        if request.HasField("probe"):
+            try:
+                probe = probe_from_proto(request.probe, schedule)
+            except ProbeError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid probe: {exc}")
+
+        def apply() -> int:
+            version = self.service.apply_schedule(schedule)
+            if request.HasField("probe"):  # a probe message with share 0 clears the probe
+                self.service.apply_probe(probe)
+            return version
+
         try:
-            version = self.service.call(lambda: self.service.apply_schedule(schedule), CALL_TIMEOUT_S)
+            version = self.service.call(apply, CALL_TIMEOUT_S)
         except (EngineError, ValueError) as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule: {exc}")
         except RuntimeError as exc:

@@ -6,6 +6,7 @@
     for sample in engine.step():    # one engine step (continuous batching); samples that finished
         ...
     engine.set_schedule(schedule)   # applies from the next step on
+    engine.set_probe(probe)         # a share of new sequences at the probe's budgets (None: off)
     engine.load_policy(folder, 7)   # in place, no restart
     engine.load_adapter(folder, 3)  # runtime LoRA, new lora_int_id per version
 
@@ -21,6 +22,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sparrow.probe import Probe
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 
@@ -54,6 +56,7 @@ class FinishedSample:
     finish_reason: str  # FINISH_STOP | FINISH_LENGTH | FINISH_ABORTED
     queue_seconds: float = 0.0
     generate_seconds: float = 0.0
+    probe: bool = False  # started as a probe sequence: its budgets were the probe's while one applied
     extra: dict = field(default_factory=dict)
 
 
@@ -79,6 +82,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Uses `schedule` (None: dense) for every sequence from the next step on."""
+
+    @abc.abstractmethod
+    def set_probe(self, probe: Probe | None) -> None:
+        """Runs `probe.share` of new sequences at the probe's budgets (None: none) while it applies to the
+        schedule in force and has not expired; a probe sequence decodes at the probe's budgets while a
+        probe applies, at the schedule's otherwise. Raises EngineError for a probe the schedule cannot run."""
 
     @abc.abstractmethod
     def load_policy(self, folder: Path, version: int) -> None:

@@ -111,7 +111,9 @@ class Generator:
 
         s = config.schedule
         self.schedule_watch = (
-            ScheduleWatch(q.url, self.service.set_schedule, s.poll_s, refused) if s.follow_redis else None
+            ScheduleWatch(q.url, self.service.set_schedule, s.poll_s, refused, on_probe=self.service.set_probe)
+            if s.follow_redis
+            else None
         )
         self.control = None
         self.metrics_port = 0

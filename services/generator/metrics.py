@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from sparrow import metrics_contract as mc
 from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
 
-SWAP_KINDS = ("policy", "adapter", "schedule")
+SWAP_KINDS = ("policy", "adapter", "schedule", "probe")
 SWAP_OUTCOMES = ("ok", "refused")
 TRAJECTORY_STATUSES = ("accepted", "duplicate", "rejected")
 GROUP_OUTCOMES = ("done", "retried", "dead_lettered", "reclaimed")
@@ -69,6 +69,9 @@ class GeneratorMetrics:
             "sparrow_generator_trajectories", "Trajectories the trainer acked, by status.", ["status"], registry=r
         )
         self.groups = Counter("sparrow_generator_groups", "Prompt groups by outcome.", ["outcome"], registry=r)
+        self.probe_sequences = Counter(
+            "sparrow_generator_probe_sequences", "Finished sequences generated at probe budgets.", registry=r
+        )
         self.step_seconds = Histogram(
             "sparrow_generator_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
         )
@@ -98,8 +101,10 @@ class GeneratorMetrics:
                 self.kv_budget.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(budget)
             self.schedule_version.set(schedule.version)
 
-    def record_tokens(self, prompt_len: int, kv_budgets: list[int]) -> None:
+    def record_tokens(self, prompt_len: int, kv_budgets: list[int], probe: bool = False) -> None:
         """Count one response's tokens by mode, and attended and context KV per bin (token i saw prompt_len + i)."""
+        if probe:
+            self.probe_sequences.inc()
         n = len(kv_budgets)
         if n == 0:
             return

@@ -28,6 +28,7 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
+from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 from trainer import sparse_attention
@@ -68,6 +69,8 @@ class ReferenceEngine(RolloutEngine):
         self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self._queue: deque[tuple[PromptGroup, float]] = deque()
         self._schedule: Schedule | None = None
+        self._probe: Probe | None = None
+        self._probe_share = ShareCounter()
         self._versions = EngineVersions(policy_version=policy_version)
         self._adapter: str | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
@@ -106,6 +109,12 @@ class ReferenceEngine(RolloutEngine):
         plen = len(prompt)
         max_new = min(s.max_new_tokens, self.max_model_len - plen)
         schedule, versions = self._schedule, self._versions
+        plan = self.probe_plan
+        # Which of the group's samples are probes: decoded at the plan's budgets (fixed for the group:
+        # this engine takes a new probe or schedule between groups).
+        probing = torch.tensor(
+            [plan is not None and self._probe_share.take(plan.share) for _ in range(n)], device=self.device
+        )
         lens = torch.full((n,), plen, dtype=torch.long, device=self.device)
         cache = PagedDecodeCache(self.model, lens, plen + max_new, schedule, self.backend)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)[None].expand(n, plen)
@@ -127,6 +136,8 @@ class ReferenceEngine(RolloutEngine):
                 break
             lens = lens + 1
             cache.start_step(lens)
+            if plan is not None:
+                cache.budgets = torch.where(probing, plan.budget_tokens(lens) // PAGE_SIZE, cache.budgets)
             # A budget that covers the whole context keeps every page: that position is dense (0), as in vLLM.
             scheduled = cache.budgets * PAGE_SIZE if schedule is not None else torch.zeros_like(lens)
             budgets = torch.where(scheduled < lens, scheduled, torch.zeros_like(scheduled))
@@ -149,6 +160,7 @@ class ReferenceEngine(RolloutEngine):
                 finish_reason=FINISH_STOP if r.tokens[-1] in self.eos_ids else FINISH_LENGTH,
                 queue_seconds=start - submitted,
                 generate_seconds=elapsed,
+                probe=bool(probing[i]),
             )
             for i, r in enumerate(rows)
         ]
@@ -172,6 +184,25 @@ class ReferenceEngine(RolloutEngine):
         self._versions = EngineVersions(
             self._versions.policy_version, self._versions.adapter_version, schedule.version if schedule else 0
         )
+
+    def set_probe(self, probe: Probe | None) -> None:
+        if probe is not None:
+            try:
+                probe.plan(self._schedule)
+            except ProbeError as exc:
+                raise EngineError(f"probe refused: {exc}") from None
+        self._probe = probe
+
+    @property
+    def probe_plan(self) -> ProbePlan | None:
+        """The probe new groups run under (None: none applies to the schedule now, or it expired)."""
+        probe = self._probe
+        if probe is None or probe.expired():
+            return None
+        try:
+            return probe.plan(self._schedule)
+        except ProbeError:  # set for another layout, then the schedule changed
+            return None
 
     def load_policy(self, folder: Path, version: int) -> None:
         from trainer.model_io import ModelLoadError, load_model

@@ -7,13 +7,13 @@ reconnect; it also re-reads the key every `poll_s` as a backstop. Only a version
 one handed on is passed to `on_schedule` (the engine applies it from its next step). A key that
 does not hold a valid schedule is logged and reported to `on_invalid`; the schedule in force stays.
 
-The probe request (`PROBE_KEY`) is read along and exposed as `probe`, for engines that can run a
-share of sequences at other budgets.
+The probe request (`PROBE_KEY`) is read along with the key (so at least every `poll_s`); each
+change is handed to `on_probe` as a `Probe`, or None once the key is gone, expired or unreadable
+(an unreadable one is logged once).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -23,6 +23,7 @@ import redis
 
 from services.generator.trajectory_stream import Backoff
 from sparrow import metrics_contract as mc
+from sparrow.probe import Probe, ProbeError
 from sparrow.schedule import Schedule, ScheduleError
 
 log = logging.getLogger("sparrow.generator.schedule")
@@ -38,13 +39,16 @@ class ScheduleWatch:
         poll_s: float = 10.0,
         on_invalid: Callable[[str], None] | None = None,
         backoff: Backoff | None = None,
+        on_probe: Callable[[Probe | None], None] | None = None,
     ) -> None:
         self.redis_url = redis_url
         self.on_schedule = on_schedule
         self.on_invalid = on_invalid
         self.poll_s = poll_s
         self.version = -1  # the last version handed on
-        self.probe: dict | None = None
+        self.on_probe = on_probe
+        self.probe: Probe | None = None  # the last probe request handed on
+        self._probe_raw: bytes | None = None
         self._bad: str | None = None  # the last invalid text reported, so it is reported once
         self._backoff = backoff or Backoff(0.2, 10.0)
         self._closed = threading.Event()
@@ -92,8 +96,23 @@ class ScheduleWatch:
         raw = client.get(mc.SCHEDULE_KEY)
         if raw is not None:
             self._offer(raw, "key")
-        probe = client.get(mc.PROBE_KEY)
-        self.probe = _probe(probe)
+        raw = client.get(mc.PROBE_KEY)
+        if raw == self._probe_raw and (self.probe is None or not self.probe.expired()):
+            return
+        self._probe_raw = raw
+        probe = None
+        if raw is not None:
+            try:
+                probe = Probe.from_json(raw)
+            except ProbeError as exc:
+                log.error("ignoring an unreadable probe request from Redis: %s", exc)
+            else:
+                if probe.expired():
+                    probe = None
+        if probe != self.probe:
+            self.probe = probe
+            if self.on_probe is not None:
+                self.on_probe(probe)
 
     def _offer(self, raw: bytes | str, source: str) -> None:
         text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
@@ -112,16 +131,3 @@ class ScheduleWatch:
         self.version = schedule.version
         log.info("schedule v%d from Redis (%s): %s", schedule.version, source, schedule.compact())
         self.on_schedule(schedule)
-
-
-def _probe(raw: bytes | str | None) -> dict | None:
-    """The probe request if present, unexpired and well-formed; else None."""
-    if raw is None:
-        return None
-    try:
-        probe = json.loads(raw)
-        if not isinstance(probe, dict) or float(probe.get("expires_at", 0)) < time.time():
-            return None
-    except (ValueError, TypeError):
-        return None
-    return probe

@@ -34,6 +34,7 @@ from services.generator.metrics import GeneratorMetrics
 from services.generator.trajectory_stream import Backoff, TrajectoryStream, to_trajectory
 from services.generator.weight_fetch import POLICY, VersionSync
 from services.generator.work_queue import Claimed, WorkQueue
+from sparrow.probe import Probe
 from sparrow.schedule import Schedule
 
 log = logging.getLogger("sparrow.generator")
@@ -135,6 +136,20 @@ class GeneratorService:
             self.post(apply)
         except RuntimeError:
             log.info("schedule v%s arrived after the loop stopped", schedule.version if schedule else 0)
+
+    def set_probe(self, probe: Probe | None) -> None:
+        """Run `probe` (None: none) from the next submitted sequences (from any thread; a refusal is logged)."""
+
+        def apply() -> None:
+            try:
+                self.apply_probe(probe)
+            except EngineError as exc:
+                log.error("the engine refused the probe request: %s", exc)
+
+        try:
+            self.post(apply)
+        except RuntimeError:
+            log.info("a probe request arrived after the loop stopped")
 
     def load(self, kind: str, folder: Path, version: int) -> EngineVersions:
         """Load a fetched policy or adapter in the engine thread; returns the serving versions (VersionSync's hook)."""
@@ -286,7 +301,7 @@ class GeneratorService:
         if g is None or sample.finish_reason == FINISH_ABORTED:
             return
         g.finished += 1
-        self.metrics.record_tokens(len(sample.prompt_token_ids), sample.kv_budgets)
+        self.metrics.record_tokens(len(sample.prompt_token_ids), sample.kv_budgets, probe=sample.probe)
         trajectory = to_trajectory(sample, g.claimed.group.attempt, self.generator_id)
         entry, index = g.claimed.entry_id, sample.sample_index
         future = self.stream.send(trajectory)
@@ -463,6 +478,24 @@ class GeneratorService:
         if swap:
             self.metrics.swaps.labels(kind="schedule", outcome="ok").inc()
         return schedule.version if schedule is not None else 0
+
+    def apply_probe(self, probe: Probe | None) -> None:
+        """Engine thread: hand the probe request to the engine (refusals raise EngineError and keep the last)."""
+        try:
+            self.engine.set_probe(probe)
+        except EngineError:
+            self.metrics.swaps.labels(kind="probe", outcome="refused").inc()
+            raise
+        self.metrics.swaps.labels(kind="probe", outcome="ok").inc()
+        if probe is not None:
+            log.info(
+                "probe request for schedule v%d: share %.3f, budgets %s",
+                probe.schedule_version,
+                probe.share,
+                list(probe.budgets),
+            )
+        else:
+            log.info("probe request cleared")
 
     def _load(self, kind: str, folder: Path, version: int) -> EngineVersions:
         if kind == POLICY:

@@ -81,6 +81,7 @@ def to_trajectory(sample: FinishedSample, attempt: int, generator_id: str) -> ro
         finish_reason=_FINISH.get(sample.finish_reason, rollout_pb2.FINISH_REASON_UNSPECIFIED),
         timings=rollout_pb2.Timings(queue_seconds=sample.queue_seconds, generate_seconds=sample.generate_seconds),
         generator_id=generator_id,
+        probe=sample.probe,
     )
 
 

@@ -29,16 +29,22 @@ from services.generator.engine import (
     RolloutEngine,
 )
 from services.generator.plugin import WORKER_EXTENSION, engine_attention_backend
+from services.generator.plugin.scheduled_decode import PROBE_PREFIX
+from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
+
+_SEQUENCE_PREFIX = "seq:"  # request ids of sequences that follow the schedule
 
 
 @dataclass
 class _Sequence:
     group: PromptGroup
     index: int
+    key: str  # "group#attempt#index": the request id less its prefix
     versions: EngineVersions
     submitted: float
+    probe: bool = False
     started: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -109,11 +115,15 @@ class VllmEngine(RolloutEngine):
         self._engine = LLMEngine.from_engine_args(args)
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
         self._sequences: dict[str, _Sequence] = {}
+        self._in_flight_keys: set[str] = set()  # "group#attempt#i" of each sequence in flight (id less prefix)
         self._by_group: dict[str, list[str]] = {}
         self._versions = EngineVersions()
         self._schedule: Schedule | None = None
         self._lora = None
         self._lora_loads = 0
+        self._probe: Probe | None = None
+        self._plan: ProbePlan | None = None  # the probe as the workers run it now
+        self._probe_share = ShareCounter()
         self.set_schedule(schedule)
 
     # -- hot swaps ---------------------------------------------------------------------------------
@@ -128,6 +138,35 @@ class VllmEngine(RolloutEngine):
         self._schedule = schedule
         version = schedule.version if schedule is not None else self._versions.schedule_version
         self._versions = EngineVersions(self._versions.policy_version, self._versions.adapter_version, version)
+        try:
+            self._apply_probe()
+        except ProbeError:  # the probe was for the old layout; it cannot apply to this schedule
+            self._probe = None
+            self._apply_probe()
+
+    def set_probe(self, probe: Probe | None) -> None:
+        if probe is not None and not self.sparse_layers:
+            raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
+        old = self._probe
+        self._probe = probe
+        try:
+            self._apply_probe()
+        except ProbeError as exc:
+            self._probe = old
+            raise EngineError(f"probe refused: {exc}") from None
+
+    @property
+    def probe_plan(self) -> ProbePlan | None:
+        """The probe the workers run now (None: every sequence follows the schedule)."""
+        return self._plan
+
+    def _apply_probe(self) -> None:
+        # The plan in force: the probe resolved against the schedule, while it has not expired.
+        probe = self._probe
+        plan = probe.plan(self._schedule) if probe is not None and not probe.expired() else None
+        if plan != self._plan and self.sparse_layers:
+            self._rpc("sparrow_set_probe", None if plan is None else plan.pages())
+        self._plan = plan
 
     def load_policy(self, folder: Path, version: int) -> None:
         try:
@@ -179,23 +218,29 @@ class VllmEngine(RolloutEngine):
             output_kind=RequestOutputKind.DELTA,
         )
         now = time.time()
+        if any(f"{group.group_id}#{group.attempt}#{i}" in self._in_flight_keys for i in range(group.n)):
+            raise EngineError(f"group {group.group_id} attempt {group.attempt} is already being generated")
+        self._expire_probe()
         ids = []
         for i in range(group.n):
-            # External ids (vLLM adds its own suffix internally; outputs and aborts use these).
-            rid = f"{group.group_id}#{group.attempt}#{i}"
-            if rid in self._sequences:
-                raise EngineError(f"group {group.group_id} attempt {group.attempt} is already being generated")
+            # External ids (vLLM adds its own suffix internally; outputs and aborts use these). The
+            # attention layers tell probe rows by the prefix; every other id starts otherwise.
+            key = f"{group.group_id}#{group.attempt}#{i}"
+            probe = self._plan is not None and self._probe_share.take(self._plan.share)
+            rid = (PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
             self._engine.add_request(
                 rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
             )
-            self._sequences[rid] = _Sequence(group, i, self._versions, submitted=now)
+            self._sequences[rid] = _Sequence(group, i, key, self._versions, submitted=now, probe=probe)
+            self._in_flight_keys.add(key)
             ids.append(rid)
         self._by_group.setdefault(group.group_id, []).extend(ids)
 
     def step(self) -> list[FinishedSample]:
         if not self._sequences:
             return []
-        schedule = self._schedule
+        self._expire_probe()
+        schedule, plan = self._schedule, self._plan
         started = time.time()
         finished: list[FinishedSample] = []
         for out in self._engine.step():
@@ -205,7 +250,7 @@ class VllmEngine(RolloutEngine):
             if not seq.started:
                 seq.started = started
             completion = out.outputs[0]
-            self._append(seq, completion, schedule)
+            self._append(seq, completion, schedule, plan if seq.probe else None)
             if out.finished:
                 reason = FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH
                 if completion.finish_reason == "abort":
@@ -213,7 +258,11 @@ class VllmEngine(RolloutEngine):
                 finished.append(self._finish(out.request_id, reason))
         return finished
 
-    def _append(self, seq: _Sequence, completion, schedule: Schedule | None) -> None:
+    def _expire_probe(self) -> None:
+        if self._plan is not None and self._probe is not None and self._probe.expired():
+            self._apply_probe()
+
+    def _append(self, seq: _Sequence, completion, schedule: Schedule | None, plan: ProbePlan | None) -> None:
         plen = len(seq.group.prompt_token_ids)
         flat = completion.logprobs
         for j, token in enumerate(completion.token_ids):
@@ -230,12 +279,13 @@ class VllmEngine(RolloutEngine):
             # Token 0 comes from the dense prefill; token t >= 1 from a decode step at KV length plen + t.
             budget = 0
             if t >= 1 and schedule is not None:
-                b = schedule.budget_for(plen + t)
+                b = (plan or schedule).budget_for(plen + t)
                 budget = b if b < plen + t else 0
             seq.budgets.append(budget)
 
     def _finish(self, request_id: str, reason: str) -> FinishedSample:
         seq = self._sequences.pop(request_id)
+        self._in_flight_keys.discard(seq.key)
         group_ids = self._by_group.get(seq.group.group_id, [])
         if request_id in group_ids:
             group_ids.remove(request_id)
@@ -255,6 +305,7 @@ class VllmEngine(RolloutEngine):
             finish_reason=reason,
             queue_seconds=max(0.0, (seq.started or now) - seq.submitted),
             generate_seconds=max(0.0, now - (seq.started or now)),
+            probe=seq.probe,
         )
 
     def abort(self, group_id: str) -> None:
@@ -262,7 +313,9 @@ class VllmEngine(RolloutEngine):
         if ids:
             self._engine.abort_request(ids)
         for rid in ids:
-            self._sequences.pop(rid, None)
+            seq = self._sequences.pop(rid, None)
+            if seq is not None:
+                self._in_flight_keys.discard(seq.key)
 
     @property
     def versions(self) -> EngineVersions:

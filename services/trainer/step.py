@@ -49,7 +49,9 @@ class StepReport:
     response_length: float
     staleness: float
     alpha_mean: float
-    alpha_bins: list[dict] = field(default_factory=list)  # {bin, kv_start, tokens, mean, p5}
+    alpha_bins: list[dict] = field(default_factory=list)  # {bin, kv_start, tokens, mean, p5}, probe samples left out
+    probe_samples: int = 0  # samples generated at the controller's probe budgets
+    alpha_probe_bins: list[dict] = field(default_factory=list)  # the same over the probe samples' tokens
     tis_clip_fraction: float = 0.0
     kl_rollout_dense: float = 0.0
     ppo_clip_fraction: float = 0.0
@@ -61,6 +63,13 @@ class StepReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _budgets(r: Rollout) -> torch.Tensor:
+    """The KV budget of each of the rollout's tokens (0 = dense; all 0 when the generator sent none)."""
+    if len(r.kv_budgets) == len(r.token_ids):
+        return torch.tensor(r.kv_budgets, dtype=torch.long)
+    return torch.zeros(len(r.token_ids), dtype=torch.long)
 
 
 def to_rollout(t: rollout_pb2.Trajectory) -> Rollout:
@@ -76,6 +85,7 @@ def to_rollout(t: rollout_pb2.Trajectory) -> Rollout:
         kv_budgets=tuple(t.kv_budgets),
         policy_version=t.versions.policy_version,
         schedule_version=t.versions.schedule_version,
+        probe=t.probe,
     )
 
 
@@ -149,8 +159,17 @@ class StepRunner:
         distilled = self.distill.run(step, rollouts, torch.cat(advantages)) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail
-        self.metrics.tail.record_step(acc.alpha, acc.kv_lens, schedule_version)
-        bins = binned_stats(acc.alpha, acc.kv_lens, tail.bin_width, tail.quantile, tail.num_bins)
+        # Probe sequences ran at the controller's probe budgets: their tokens describe those budgets,
+        # not the schedule's, and are exported apart.
+        probing = torch.cat([torch.full((len(r.token_ids),), r.probe, dtype=torch.bool) for r in rollouts])
+        main = ~probing
+        tail.record_step(acc.alpha[main], acc.kv_lens[main], schedule_version)
+        budgets = torch.cat([_budgets(r) for r in rollouts])
+        tail.record_probe(acc.alpha[probing], acc.kv_lens[probing], budgets[probing])
+        bins = binned_stats(acc.alpha[main], acc.kv_lens[main], tail.bin_width, tail.quantile, tail.num_bins)
+        probe_bins = binned_stats(
+            acc.alpha[probing], acc.kv_lens[probing], tail.bin_width, tail.quantile, tail.num_bins
+        )
         report = StepReport(
             step=step,
             policy_version=policy_version,
@@ -164,6 +183,11 @@ class StepRunner:
             alpha_bins=[
                 {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile}
                 for b in bins
+            ],
+            probe_samples=sum(r.probe for r in rollouts),
+            alpha_probe_bins=[
+                {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile}
+                for b in probe_bins
             ],
             tis_clip_fraction=stats.get("tis_clip_fraction", 0.0),
             kl_rollout_dense=stats.get("kl_rollout_dense", 0.0),

@@ -7,6 +7,11 @@ the p5 of recent steps; the gauges hold the exact p5 and token count of the last
 
 Bucket counts are added per step with one vectorised pass rather than one `observe` per token: a
 step holds hundreds of thousands of tokens.
+
+Tokens of probe sequences (run at the controller's probe budgets, not the schedule's) go to
+`record_probe` instead: per bin, the exact p5 and token count of the last step's probe tokens at the
+lowest budget they used in that bin, with that budget (`PROBE_*` gauges). They never enter the
+histogram or the p5 gauge, which describe the schedule in force.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from sparrow import metrics_contract as mc
-from sparrow.acceptance import DEFAULT_QUANTILE, bin_index, binned_stats
+from sparrow.acceptance import DEFAULT_QUANTILE, bin_index, binned_stats, quantile
 from sparrow.schedule import DEFAULT_BIN_WIDTH
 
 
@@ -35,6 +40,8 @@ class TailMetrics:
         self._last: dict[int, tuple[float, int]] = {}  # bin -> (exact quantile, tokens) of the last step
         self._schedule_version: float = math.nan
         self._steps = 0
+        self._probe: dict[int, tuple[float, int, int]] = {}  # bin -> (exact quantile, tokens, budget), last step
+        self._probe_bins: set[int] = set()  # every bin a probe reading was exported for
         self._lock = threading.Lock()
 
     def record_step(self, alpha: torch.Tensor, kv_lens: torch.Tensor, oldest_schedule_version: int) -> None:
@@ -60,6 +67,33 @@ class TailMetrics:
             self._schedule_version = float(oldest_schedule_version)
             self._steps += 1
 
+    def record_probe(self, alpha: torch.Tensor, kv_lens: torch.Tensor, budgets: torch.Tensor) -> None:
+        """Set the probe gauges from one step's probe tokens: alpha [n], KV length [n], budget [n] (0 = dense).
+
+        Dense tokens carry no probe information and are left out; in a bin where probe tokens ran at
+        several budgets (a probe changed or ended mid-sequence), those at the lowest one count.
+        Call it every step (with no tokens when there were none) so that old readings do not linger.
+        """
+        alpha = torch.as_tensor(alpha).reshape(-1).double()
+        kv = torch.as_tensor(kv_lens).reshape(-1)
+        budgets = torch.as_tensor(budgets).reshape(-1).long()
+        if not alpha.numel() == kv.numel() == budgets.numel():
+            raise ValueError(f"{alpha.numel()} alpha values, {kv.numel()} KV lengths, {budgets.numel()} budgets")
+        if alpha.numel() and (bool(torch.isnan(alpha).any()) or float(alpha.min()) < 0 or float(alpha.max()) > 1):
+            raise ValueError("alpha values must lie in [0, 1]")
+        sparse = budgets > 0
+        alpha, kv, budgets = alpha[sparse], kv[sparse], budgets[sparse]
+        bins = bin_index(kv, self.bin_width, self.num_bins)
+        readings = {}
+        for b in bins.unique().tolist():
+            in_bin = bins == b
+            lowest = int(budgets[in_bin].min())
+            values = alpha[in_bin & (budgets == lowest)]
+            readings[b] = (quantile(values, self.quantile), int(values.numel()), lowest)
+        with self._lock:
+            self._probe = readings
+            self._probe_bins |= set(readings)
+
     def collect(self):
         """Prometheus collector protocol: the metric families, read under the lock."""
         with self._lock:
@@ -78,7 +112,24 @@ class TailMetrics:
             version = GaugeMetricFamily(mc.SCHEDULE_VERSION_GAUGE, "Oldest schedule version behind the last step")
             version.add_metric([], self._schedule_version)
             steps = CounterMetricFamily(mc.ALPHA_STEPS_COUNTER, "Steps whose tokens were recorded", value=self._steps)
-        return [hist, p5, tokens, version, steps]
+            families = [hist, p5, tokens, version, steps]
+            if self._probe_bins:
+                probe_p5 = GaugeMetricFamily(
+                    mc.PROBE_P5_GAUGE, "Exact p5 of alpha of the last step's probe tokens", labels=[mc.BIN_LABEL]
+                )
+                probe_tokens = GaugeMetricFamily(
+                    mc.PROBE_TOKENS_GAUGE, "Probe tokens behind the probe p5", labels=[mc.BIN_LABEL]
+                )
+                probe_budget = GaugeMetricFamily(
+                    mc.PROBE_BUDGET_GAUGE, "KV budget the probe tokens ran at", labels=[mc.BIN_LABEL]
+                )
+                for b in sorted(self._probe_bins):
+                    q, n, budget = self._probe.get(b, (math.nan, 0, 0))
+                    probe_p5.add_metric([str(b)], q)
+                    probe_tokens.add_metric([str(b)], n)
+                    probe_budget.add_metric([str(b)], budget)
+                families += [probe_p5, probe_tokens, probe_budget]
+        return families
 
     def register(self, registry: CollectorRegistry) -> TailMetrics:
         """Serve these metrics from `registry`."""

@@ -26,7 +26,7 @@ def _query(url: str, promql: str) -> dict[str, float]:
 
 
 async def _controller_read(url: str):
-    source = PrometheusSource(url, window_s=10, timeout_s=5, max_age_s=60)
+    source = PrometheusSource(url, window_s=10, timeout_s=5, max_age_s=60, probes=True)
     try:
         return await source.read(time.time())
     finally:
@@ -58,6 +58,31 @@ def test_exposition_follows_the_contract():
     # The same values again are a new step: only the counter tells them apart.
     metrics.record_step(torch.tensor([0.5, 0.86, 1.0, 0.99]), torch.tensor([10, 20, 2500, 2600]), 4)
     assert f"{mc.ALPHA_STEPS_COUNTER}_total 2.0" in generate_latest(registry).decode()
+    assert mc.PROBE_P5_GAUGE not in generate_latest(registry).decode()  # no probe yet: no probe series
+
+
+def test_probe_tokens_export_their_own_p5_at_the_lowest_budget_per_bin():
+    metrics = TailMetrics(bin_width=2000)
+    registry = CollectorRegistry()
+    metrics.register(registry)
+    alpha = torch.tensor([1.0, 0.2, 0.9, 0.9, 0.5, 1.0], dtype=torch.float64)
+    kv = torch.tensor([100, 200, 300, 2100, 2200, 2300])
+    budgets = torch.tensor([0, 64, 64, 128, 256, 128])  # bin 0: one dense token; bin 1: 128 and 256
+    metrics.record_probe(alpha, kv, budgets)
+    text = generate_latest(registry).decode()
+    assert f'{mc.PROBE_BUDGET_GAUGE}{{bin="0"}} 64.0' in text and f'{mc.PROBE_TOKENS_GAUGE}{{bin="0"}} 2.0' in text
+    assert f'{mc.PROBE_BUDGET_GAUGE}{{bin="1"}} 128.0' in text and f'{mc.PROBE_TOKENS_GAUGE}{{bin="1"}} 2.0' in text
+    p5 = {
+        line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines() if line.startswith(mc.PROBE_P5_GAUGE)
+    }
+    assert p5["0"] == pytest.approx(0.2 + 0.05 * (0.9 - 0.2))  # the dense 1.0 left out
+    assert p5["1"] == pytest.approx(0.9 + 0.05 * (1.0 - 0.9))  # the 0.5 at budget 256 left out
+    assert mc.ALPHA_HISTOGRAM + "_bucket" not in text  # probe tokens never reach the schedule's statistic
+    metrics.record_probe(torch.tensor([]), torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    text = generate_latest(registry).decode()  # a step without probe tokens: the readings go, not linger
+    assert f'{mc.PROBE_P5_GAUGE}{{bin="0"}} NaN' in text and f'{mc.PROBE_TOKENS_GAUGE}{{bin="1"}} 0.0' in text
+    with pytest.raises(ValueError, match="budgets"):
+        metrics.record_probe(alpha, kv, budgets[:2])
 
 
 def test_promql_p5_per_bin_matches_the_exact_gauge():
@@ -73,6 +98,8 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
         while not stop.is_set():
             alpha, kv = _step(gen)
             metrics.record_step(alpha, kv, oldest_schedule_version=1)
+            alpha, kv = _step(gen, 900)
+            metrics.record_probe(alpha, kv, torch.full_like(kv, 96))
             stop.wait(0.5)
 
     feeder = threading.Thread(target=trainer_steps, daemon=True)
@@ -100,4 +127,6 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
     assert exact["2"] < exact["0"]  # the longer bin's tail is worse, and both views agree on it
     assert set(snapshot.bins) == {0, 1, 2} and snapshot.trainer_version == 1
     assert snapshot.trainer_steps is not None and snapshot.trainer_steps >= 5
+    for reading in snapshot.bins.values():  # and the probe readings, with the budget they ran at
+        assert reading.probe_budget == 96 and 0 <= reading.probe_p5 <= 1 and 200 < reading.probe_tokens < 400
     assert estimated["2"] < estimated["0"]

@@ -5,6 +5,10 @@ schedule's dense layers; otherwise under the schedule's budget at the row's curr
 (sink + local + top-k pages by centroid score, `kernels.block_sparse_decode`), every row and KV
 head in one batch. A row with no more pages than its budget attends to all of them.
 
+Probes: while a probe plan is set, rows whose request id carries `PROBE_PREFIX` take the plan's
+budget instead of the schedule's (same bins, sink and local blocks). Which request a row belongs to
+is read from the model runner's batch (`row_ids`, set with the plan), in row order.
+
 vLLM-free on purpose (torch, `kernels` and the schedule only): the decode path that is ours can then
 be checked on a GPU machine without vLLM (`bench/cuda_check.py`).
 """
@@ -12,11 +16,15 @@ be checked on a GPU machine without vLLM (`bench/cuda_check.py`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kernels import Workspace, block_sparse_decode, sparse_decode_attention
 from sparrow.schedule import Schedule
+
+# Request ids of sequences decoded under the probe plan start with this (the engine names them).
+PROBE_PREFIX = "probe:"
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
@@ -75,19 +83,37 @@ class ScheduledDecode:
     backend: str = "auto"
     centroids: torch.Tensor | None = None
     workspace: Workspace | None = None
+    probe_pages: tuple[int, ...] | None = None  # per bin, for rows of probe requests
+    row_ids: Callable[[], Sequence[str | None]] | None = None
     _budget_table: tuple[Schedule, torch.Tensor] | None = None
+    _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
+    _probe_rows: tuple[tuple, torch.Tensor] | None = None
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense)."""
         self.schedule = schedule
+
+    def set_probe(
+        self, pages: list[int] | tuple[int, ...] | None, row_ids: Callable[[], Sequence[str | None]] | None = None
+    ) -> None:
+        """Rows of probe requests take `pages[bin]` (None: no probe) from the next forward on.
+
+        `row_ids()` gives the request id of each row of the running batch, in row order.
+        """
+        if pages is not None and row_ids is None:
+            raise ValueError("a probe plan needs the batch's request ids (row_ids)")
+        self.probe_pages = None if pages is None else tuple(int(p) for p in pages)
+        self.row_ids = row_ids
+        self._probe_rows = None
 
     def decodes_densely(self) -> bool:
         """True when this layer decodes every row densely now (no schedule, or a dense layer)."""
         s = self.schedule
         return s is None or self.layer_index in s.dense_layers
 
-    def budget_pages(self, seq_lens: torch.Tensor) -> torch.Tensor:
-        """`Schedule.budget_pages` of each row's KV length, from a per-schedule device table (no host sync)."""
+    def budget_pages(self, seq_lens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`Schedule.budget_pages` of each row's KV length, from a per-schedule device table (no host sync);
+        rows of probe requests get the probe plan's. `rows`: batch row of each entry (None: 0, 1, ...)."""
         s = self.schedule
         cached = self._budget_table
         if cached is None or cached[0] is not s or cached[1].device != seq_lens.device:
@@ -95,7 +121,33 @@ class ScheduledDecode:
             cached = (s, torch.tensor(pages, dtype=torch.int64, device=seq_lens.device))
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
-        return cached[1][bins]
+        budgets = cached[1][bins]
+        if self.probe_pages is None or len(self.probe_pages) != s.num_bins:
+            return budgets
+        probing = self._probe_mask(seq_lens.shape[0] if rows is None else None, rows, seq_lens.device)
+        if probing is None:
+            return budgets
+        table = self._probe_table
+        if table is None or table[0] != self.probe_pages or table[1].device != seq_lens.device:
+            table = (self.probe_pages, torch.tensor(self.probe_pages, dtype=torch.int64, device=seq_lens.device))
+            self._probe_table = table
+        return torch.where(probing, table[1][bins], budgets)
+
+    def _probe_mask(self, count: int | None, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """True for the rows (the first `count` batch rows, or `rows`) of probe requests; None when there are none."""
+        ids = self.row_ids() if self.row_ids is not None else ()
+        n = count if rows is None else (int(rows.max()) + 1 if rows.numel() else 0)
+        key = tuple(ids[:n])
+        cached = self._probe_rows
+        if cached is None or cached[0] != key or cached[1].device != device:
+            flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in key]
+            flags += [False] * (n - len(flags))
+            cached = (key, torch.tensor(flags, dtype=torch.bool, device=device) if any(flags) else None)
+            self._probe_rows = cached
+        mask = cached[1]
+        if mask is None:
+            return None
+        return mask if rows is None else mask[rows]
 
     def decode_rows(
         self,
@@ -104,8 +156,11 @@ class ScheduledDecode:
         v_cache: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Output [rows, q_heads, head_dim] of one query token per row under the schedule (see module doc)."""
+        """Output [rows, q_heads, head_dim] of one query token per row under the schedule (see module doc).
+
+        `rows`: the batch row of each of these rows when they are not the batch's first rows in order."""
         if self.decodes_densely():
             return sparse_decode_attention(
                 q, k_cache, v_cache, block_table, seq_lens, None, self.scale, self.workspace, backend=self.backend
@@ -118,7 +173,7 @@ class ScheduledDecode:
             self.centroids,
             block_table,
             seq_lens,
-            self.budget_pages(seq_lens),
+            self.budget_pages(seq_lens, rows),
             s.sink_blocks,
             s.local_blocks,
             self.scale,

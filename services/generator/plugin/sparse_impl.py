@@ -122,7 +122,7 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         decoding = (q_lens == 1).nonzero().squeeze(1)
         if decoding.numel():
             at = starts[decoding]
-            out[at] = self.decode_rows(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding])
+            out[at] = self.decode_rows(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding], decoding)
         for r in (q_lens > 1).nonzero().squeeze(1).tolist():
             s, e = int(starts[r]), int(starts[r + 1])
             out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))

@@ -16,7 +16,7 @@ from sparrow.schedule import Schedule
 
 
 class SparrowWorkerExtension:
-    """Mixed into vLLM's worker: schedule swaps and in-place weight reloads."""
+    """Mixed into vLLM's worker: schedule and probe swaps and in-place weight reloads."""
 
     def _sparrow_impls(self) -> list[ScheduledDecode]:
         # The CPU and the CUDA impls alike.
@@ -32,6 +32,23 @@ class SparrowWorkerExtension:
         impls = self._sparrow_impls()
         for impl in impls:
             impl.set_schedule(schedule)
+        return len(impls)
+
+    def sparrow_set_probe(self, pages: list[int] | None) -> int:
+        """Rows of probe requests (`scheduled_decode.PROBE_PREFIX`) decode at `pages[bin]` pages from the
+        next step on (None: they follow the schedule like every row). Returns the layers that took it."""
+        if pages is not None and (not pages or any(not isinstance(p, int) or p <= 0 for p in pages)):
+            raise ValueError(f"probe pages must be positive integers per bin, got {pages!r}")
+        runner = self.model_runner
+
+        def row_ids():
+            # The batch's request ids in row order: the order of the attention metadata's rows (vLLM
+            # builds both from the persistent batch, decode rows reordered first where a backend asks).
+            return runner.input_batch.req_ids
+
+        impls = self._sparrow_impls()
+        for impl in impls:
+            impl.set_probe(pages, row_ids if pages is not None else None)
         return len(impls)
 
     def sparrow_attention_layers(self) -> int:

@@ -62,18 +62,35 @@ def test_set_schedule_validates_applies_and_shows_in_status_and_trajectories(run
     assert _code(lambda: stub.SetSchedule(generator_pb2.SetScheduleRequest(), timeout=5)) == (
         grpc.StatusCode.INVALID_ARGUMENT
     )
-    good = common_pb2.Schedule(budgets=[48], bin_width=1000, page_size=16, sink_blocks=1, local_blocks=2, version=9)
-    probe = generator_pb2.Probe(share=0.1, budgets=[32])
-    assert _code(lambda: stub.SetSchedule(generator_pb2.SetScheduleRequest(schedule=good, probe=probe))) == (
-        grpc.StatusCode.UNIMPLEMENTED
-    )
-    assert stub.SetSchedule(generator_pb2.SetScheduleRequest(schedule=good), timeout=30).schedule_version == 9
+    good = common_pb2.Schedule(budgets=[64], bin_width=1000, page_size=16, sink_blocks=1, local_blocks=2, version=9)
+    later = time.time() + 600
+    for bad_probe, why in (
+        (generator_pb2.Probe(share=0.5, budgets=[32], expires_at=later), "sink and local"),
+        (generator_pb2.Probe(share=0.5, budgets=[48, 48], expires_at=later), "bins"),
+        (generator_pb2.Probe(share=1.5, budgets=[48], expires_at=later), "share"),
+        (generator_pb2.Probe(share=0.5, budgets=[48], expires_at=time.time() - 1), "future"),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            stub.SetSchedule(generator_pb2.SetScheduleRequest(schedule=good, probe=bad_probe), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in info.value.details()
+    # Half the new sequences at 48 tokens while the schedule says 64.
+    probe = generator_pb2.Probe(share=0.5, budgets=[48], expires_at=later)
+    reply = stub.SetSchedule(generator_pb2.SetScheduleRequest(schedule=good, probe=probe), timeout=30)
+    assert reply.schedule_version == 9
     status = stub.GetStatus(generator_pb2.GetStatusRequest(), timeout=5)
-    assert list(status.schedule.budgets) == [48] and status.serving.schedule_version == 9
-    h.enqueue(group("s", n=1, pairs=20))  # 65-token prompt: past the 48-token budget from the start
-    h.wait_settled({"s": 1})
-    (t,) = h.trainer.of_group("s")
-    assert t.versions.schedule_version == 9 and set(t.kv_budgets[1:]) == {48}
+    assert list(status.schedule.budgets) == [64] and status.serving.schedule_version == 9
+    h.enqueue(group("s", n=2, pairs=25))  # 80-token prompt: past both budgets from the start
+    h.wait_settled({"s": 2})
+    plain, probed = sorted(h.trainer.of_group("s"), key=lambda t: t.probe)
+    assert plain.versions.schedule_version == probed.versions.schedule_version == 9
+    assert (plain.probe, probed.probe) == (False, True)
+    assert set(plain.kv_budgets[1:]) == {64} and set(probed.kv_budgets[1:]) == {48}
+    # A probe message with share 0 clears the probe: every sequence follows the schedule again.
+    off = generator_pb2.SetScheduleRequest(schedule=good, probe=generator_pb2.Probe(share=0))
+    assert stub.SetSchedule(off, timeout=30).schedule_version == 9
+    h.enqueue(group("t", n=2, pairs=25))
+    h.wait_settled({"t": 2})
+    assert not any(t.probe for t in h.trainer.of_group("t"))
 
 
 def test_load_versions_loads_a_good_policy_and_refuses_a_corrupt_or_missing_one(running):

@@ -109,3 +109,35 @@ def test_after_a_dropped_connection_the_key_is_read_again(client, redis_url):
         wait_until(lambda: seen.versions() == [1, 2], 10, "v2 read after reconnecting")
     finally:
         watch.close()
+
+
+def test_the_controllers_probe_request_is_handed_on_when_it_changes_and_cleared_when_gone(client, redis_url):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from services.controller.publisher import SchedulePublisher
+
+    async def set_probe(budgets, ttl_s=60.0):  # written by the controller's own publisher
+        c = aioredis.Redis.from_url(redis_url)
+        try:
+            await SchedulePublisher(c).set_probe(3, 0.1, budgets, 2, ttl_s)
+        finally:
+            await c.aclose()
+
+    probes = []
+    watch = ScheduleWatch(redis_url, lambda s: None, 0.2, on_probe=probes.append, backoff=Backoff(0.05, 0.2)).start()
+    try:
+        asyncio.run(set_probe({1: 64}))
+        wait_until(lambda: probes and probes[-1] is not None, 10, "the probe request")
+        assert probes[-1].schedule_version == 3 and probes[-1].budgets == (None, 64) and probes[-1].share == 0.1
+        time.sleep(0.6)  # polls re-read the same request: not handed on again
+        assert len(probes) == 1
+        client.set(mc.PROBE_KEY, '{"share": 2}')
+        wait_until(lambda: probes[-1] is None, 10, "an unreadable request clears the probe")
+        asyncio.run(set_probe({0: 48}, ttl_s=0.5))
+        wait_until(lambda: probes[-1] is not None and probes[-1].budgets == (48, None), 10, "a new request")
+        wait_until(lambda: probes[-1] is None, 10, "cleared once it expired")
+        assert len(probes) == 4
+    finally:
+        watch.close()

@@ -163,6 +163,71 @@ def test_sparse_logprobs_match_trainer_oracle_and_schedule_switches_next_step(en
         assert len(s.top_token_ids) == len(s.token_ids) and all(len(t) == 20 for t in s.top_token_ids)
 
 
+def test_probe_sequences_decode_at_the_probe_budgets_in_the_same_batch(engine):
+    """Half the sequences run at the probe's budgets beside the others in one batch (the worker tells
+    their rows by request id), mixed prefill/decode steps included; clearing the probe returns them to
+    the schedule from the next step. Every token matches the trainer's scoring under its reported budget."""
+    import time
+
+    from services.generator.engine import EngineError
+    from sparrow.probe import Probe
+    from trainer.model_io import load_model
+
+    schedule = Schedule(budgets=(96, 128, 160, 192), bin_width=128, version=21, name="probed")
+    engine.set_schedule(schedule)
+    with pytest.raises(EngineError, match="3 bins"):
+        engine.set_probe(Probe(21, 0.5, (48, None, 64), time.time() + 60))
+    probe = Probe(21, 0.5, (None, 64, 96, None), time.time() + 60)
+    engine.set_probe(probe)
+    plan = engine.probe_plan
+    assert plan is not None and plan.budgets == (96, 64, 96, 192)
+    # KV 200-280 and 240-320: bins 1 and 2, where the probe runs at half the schedule's budget.
+    a = PromptGroup("pa", _prompt(7, 200), 2, 0, Sampling(max_new_tokens=80))
+    b = PromptGroup("pb", _prompt(8, 240), 2, 0, Sampling(max_new_tokens=80))
+    engine.submit(a)
+    done = []
+    for _ in range(5):
+        done.extend(engine.step())
+    engine.submit(b)  # its prefill shares a step with a's decode rows
+    steps = 5
+    while steps < 40:
+        done.extend(engine.step())
+        steps += 1
+    engine.set_probe(None)  # between step 40 and 41
+    while engine.in_flight:
+        done.extend(engine.step())
+    engine.set_schedule(None)
+    done.sort(key=lambda s: (s.group_id, s.sample_index))
+    assert [s.probe for s in done] == [False, True, False, True]
+    model = load_model(SMALL)
+    for s, ref in zip(done, _teacher_forced(model, done, schedule), strict=True):
+        plen, start = len(s.prompt_token_ids), (0 if s.group_id == "pa" else 5)
+        cleared = 40 - start  # the sequence's token from step 41 on is token 40 - start
+        want = [0] + [
+            (plan if s.probe and t < cleared else schedule).budget_for(plen + t) for t in range(1, len(s.token_ids))
+        ]
+        assert s.kv_budgets == want
+        diff = (ref - torch.tensor(s.logprobs)).abs().max()
+        assert float(diff) <= 1e-3, f"{s.group_id}/{s.sample_index}: max |engine - teacher-forced| = {float(diff):.2e}"
+    probes = [s for s in done if s.probe]
+    assert all({64, 96} & set(s.kv_budgets) and {128, 160} & set(s.kv_budgets) for s in probes)  # probe, then not
+    assert all(not {64, 96} & set(s.kv_budgets) for s in done if not s.probe)
+    # Scored as if they had followed the schedule, the probe sequences' logprobs differ: the rows really
+    # decoded at the probe's budgets.
+    as_scheduled = [
+        type(s)(
+            **{
+                **s.__dict__,
+                "kv_budgets": [0]
+                + [schedule.budget_for(len(s.prompt_token_ids) + t) for t in range(1, len(s.token_ids))],
+            }
+        )
+        for s in probes
+    ]
+    for s, ref in zip(probes, _teacher_forced(model, as_scheduled, schedule), strict=True):
+        assert float((ref - torch.tensor(s.logprobs)).abs().max()) > 1e-2
+
+
 def test_policy_weights_and_adapter_load_without_restart(engine, tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -127,7 +127,8 @@ class SamplingGenerator:
     It reconnects (and resends the group in hand) when the trainer goes away, and with
     `follow_policy` fetches and loads each new policy version before sampling, as a real one does.
     `accepted` maps each group id to the sample indices the trainer acked ACCEPTED, `trajectories` to the
-    accepted trajectories themselves.
+    accepted trajectories themselves. With `probe_budget`, sample 1 of every group is sent as a probe
+    sequence decoded at that budget: a label only, this stand-in samples densely.
     """
 
     def __init__(
@@ -138,6 +139,7 @@ class SamplingGenerator:
         follow_policy: bool = False,
         work_dir: Path | None = None,
         consumer: str = "test-gen",
+        probe_budget: int = 0,
     ) -> None:
         from trainer.model_io import load_model
 
@@ -147,6 +149,7 @@ class SamplingGenerator:
         self.follow_policy = follow_policy
         self.work_dir = work_dir
         self.consumer = consumer
+        self.probe_budget = probe_budget
         self.model = load_model(TINY)
         self.version = 1  # the starting model is what the trainer publishes as version 1
         self.accepted: dict[str, set[int]] = {}
@@ -189,6 +192,9 @@ class SamplingGenerator:
                         group.sampling.max_new_tokens, seed=seed, generator_id=self.consumer,
                     )  # fmt: skip
                     for t in trajectories:
+                        if self.probe_budget and t.sample_index == 1:
+                            t.probe = True
+                            t.kv_budgets[:] = [0] + [self.probe_budget] * (len(t.token_ids) - 1)
                         ack = session.send(t)
                         self.acks.append((t.trajectory_id, ack.status))
                         if ack.status == rollout_pb2.ACK_STATUS_ACCEPTED:

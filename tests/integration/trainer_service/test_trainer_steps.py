@@ -48,14 +48,16 @@ def _config(run_dir: Path, redis_url: str, **extra) -> TrainerServiceConfig:
 
 
 @contextmanager
-def _running(config: TrainerServiceConfig, follow_policy: bool, work_dir: Path):
+def _running(config: TrainerServiceConfig, follow_policy: bool, work_dir: Path, probe_budget: int = 0):
     service = TrainerService(config)
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()
     wait_until(lambda: service.grpc_port > 0, 30, "trainer serving")
     address = f"127.0.0.1:{service.grpc_port}"
-    generator = SamplingGenerator(config.redis_url, address, follow_policy=follow_policy, work_dir=work_dir).start()
+    generator = SamplingGenerator(
+        config.redis_url, address, follow_policy=follow_policy, work_dir=work_dir, probe_budget=probe_budget
+    ).start()
     try:
         yield service, generator, address
     finally:
@@ -172,3 +174,36 @@ def test_stale_groups_are_dropped_counted_and_never_trained(tmp_path):
     assert all(service.ledger.state(gid) == "dropped" for gid in dropped)
     step_lines = _steps(tmp_path / "run")
     assert len(step_lines) == 1 and step_lines[0]["staleness"] == 0
+
+
+def test_probe_samples_are_trained_on_but_kept_out_of_the_schedules_tail_statistic(tmp_path):
+    with redis_server() as redis:
+        config = _config(tmp_path / "run", redis.url)
+        with _running(config, False, tmp_path / "gen", probe_budget=48) as (service, generator, _):
+            wait_until(lambda: len(_steps(tmp_path / "run")) >= 1, 120, "a training step")
+            done = len(_steps(tmp_path / "run"))
+            metrics = _metrics(service.metrics_port)  # the gauges of step `done` or of one just after it
+            wait_until(lambda: len(_steps(tmp_path / "run")) >= done + 1, 120, "the next step's line")
+            steps = _steps(tmp_path / "run")[done - 1 : done + 1]
+            trajectories = dict(generator.trajectories)
+
+    def figures(step):
+        samples = [t for gid in step["groups"] for t in trajectories[gid]]
+        probes = [t for t in samples if t.probe]
+        return sum(len(t.token_ids) for t in samples), sum(len(t.token_ids) for t in probes), len(probes)
+
+    for step in steps:
+        tokens, probe_tokens, probes = figures(step)
+        assert step["samples"] == 8 and step["probe_samples"] == probes == 2  # trained on, like the rest
+        assert sum(b["tokens"] for b in step["alpha_probe_bins"]) == probe_tokens
+        assert sum(b["tokens"] for b in step["alpha_bins"]) == tokens - probe_tokens
+    exported = sum(v for k, v in metrics.items() if k.startswith("sparrow_trainer_alpha_tokens{"))
+    probe_exported = sum(v for k, v in metrics.items() if k.startswith("sparrow_trainer_alpha_probe_tokens{"))
+    # The schedule's gauges leave the probe tokens out; the probe gauges hold every probe token but the
+    # first of each sample (the dense prefill).
+    assert any(
+        (exported, probe_exported) == (tokens - probe_tokens, probe_tokens - probes)
+        for tokens, probe_tokens, probes in map(figures, steps)
+    )
+    probe_budgets = {k: v for k, v in metrics.items() if k.startswith("sparrow_trainer_alpha_probe_budget_tokens{")}
+    assert set(probe_budgets.values()) <= {48.0, 0.0} and 48.0 in probe_budgets.values()

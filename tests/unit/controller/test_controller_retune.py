@@ -228,3 +228,17 @@ def test_a_schedule_with_other_bins_resets_what_was_learned():
     assert r.points(0)
     r.step(Schedule(budgets=(1024, 2048, 2048), version=2), None, now=2)
     assert r.points(0) == []
+
+
+def test_a_probe_reading_counts_once_per_trainer_step_even_when_it_repeats():
+    r = Retuner(RetuneConfig(), window_s=5)
+    schedule = Schedule(budgets=(512,))
+    probe = {"probe_budget": 256, "probe_p5": 0.97, "probe_tokens": 3000}
+
+    def weight_at_256(steps, now):
+        r.step(schedule, Snapshot(schedule.version, {0: reading(0.99, **probe)}, trainer_steps=steps), now)
+        return next(p.weight for p in r.points(0) if p.budget == 256)
+
+    assert weight_at_256(1, 1.0) == 3000
+    assert weight_at_256(1, 2.0) == 3000  # the same step read again adds nothing
+    assert weight_at_256(2, 3.0) == 6000  # a new step with the same figures is a new reading

@@ -76,3 +76,25 @@ def test_bench_engine_commands_refuse_bad_input_in_one_line(tmp_path):
     assert r.returncode == 2 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = sparrow("bench", "rollout", "--model", "models/small", "--schedule", "no-such-preset", "--gen-len", "0")
     assert r.returncode == 2 and "--gen-len must be positive" in r.stderr
+
+
+def test_probe_rows_take_the_probe_budget_by_request_id_and_the_rest_the_schedule():
+    from services.generator.plugin.scheduled_decode import PROBE_PREFIX, ScheduledDecode
+    from sparrow.schedule import Schedule
+
+    impl = ScheduledDecode()
+    impl.set_schedule(Schedule(budgets=(64, 128), bin_width=100))
+    seq_lens = torch.tensor([50, 150, 150, 50])
+    assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 4]
+    ids = ["seq:a-1", f"{PROBE_PREFIX}b-2", "seq:c-3", f"{PROBE_PREFIX}d-4"]
+    with pytest.raises(ValueError, match="row_ids"):
+        impl.set_probe([3, 5])
+    impl.set_probe([3, 5], lambda: ids)
+    assert impl.budget_pages(seq_lens).tolist() == [4, 5, 8, 3]
+    # A subset of the batch's rows (decode rows of a mixed step), by their batch row.
+    assert impl.budget_pages(seq_lens[[1, 3]], torch.tensor([1, 3])).tolist() == [5, 3]
+    assert impl.budget_pages(seq_lens[[0, 2]], torch.tensor([0, 2])).tolist() == [4, 8]
+    ids[1] = "seq:b-2"  # the batch changed (a row was refilled): read again, not cached by position
+    assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 3]
+    impl.set_probe(None)
+    assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 4]

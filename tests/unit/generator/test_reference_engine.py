@@ -177,3 +177,51 @@ def test_lora_adapters_load_replace_each_other_and_bad_ones_leave_the_old_servin
     expected = _adapter(tmp_path / "on-small", 8, ["k_proj", "o_proj"], seed=2, base=SMALL)
     torch.testing.assert_close(_logits(engine.model), _logits(expected))
     assert engine.versions == type(engine.versions)(3, 2, 0)
+
+
+def test_probe_samples_decode_at_the_probe_budgets_and_score_like_them(engine):
+    import time
+
+    from sparrow.probe import Probe
+
+    schedule = Schedule(budgets=(48, 80), bin_width=64, dense_layers=(), version=4)
+    engine.set_schedule(schedule)
+    with pytest.raises(EngineError, match="multiple of the page size"):
+        engine.set_probe(Probe(4, 0.5, (40, None), time.time() + 60))
+    engine.set_probe(Probe(4, 0.5, (None, 48), time.time() + 60))  # every other sample, bin 1 at 48
+    prompt = chain_prompt(pairs=16, hops=8)
+    engine.submit(_group(n=2, prompt=prompt, temperature=0.7, max_new_tokens=60))
+    plain, probe = sorted(engine.step(), key=lambda s: s.sample_index)
+    engine.set_probe(None)
+    engine.set_schedule(None)
+    assert (plain.probe, probe.probe) == (False, True)
+    plen = len(prompt)
+    probe_schedule = schedule.with_budgets((48, 48))  # the probe's budgets as a schedule, for the scorer
+    scorer = Scorer(load_model(TINY), backend="torch")
+    for s, rule in ((plain, schedule), (probe, probe_schedule)):
+        want = [0] + [
+            b if b < plen + i else 0 for i, b in ((i, rule.budget_for(plen + i)) for i in range(1, len(s.token_ids)))
+        ]
+        assert s.kv_budgets == want
+        scored = scorer.score([prompt + s.token_ids], [plen], schedule=rule, temperature=0.7)[0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), scored.logprobs, atol=1e-4, rtol=0)
+    assert 80 in plain.kv_budgets and probe.kv_budgets[-1] == 48  # the probe ran below the schedule
+    # The probe sample's logprobs are not the schedule's: the override mattered.
+    as_scheduled = scorer.score([prompt + probe.token_ids], [plen], schedule=schedule, temperature=0.7)[0]
+    assert float((as_scheduled.logprobs - torch.tensor(probe.logprobs)).abs().max()) > 1e-4
+
+
+def test_a_probe_for_another_schedule_version_or_expired_runs_no_probe_samples(engine):
+    import time
+
+    from sparrow.probe import Probe
+
+    schedule = Schedule(budgets=(64, 96), bin_width=64, dense_layers=(), version=5)
+    engine.set_schedule(schedule)
+    for probe in (Probe(4, 1.0, (48, 48), time.time() + 60), Probe(5, 1.0, (48, 48), time.time() - 1)):
+        engine.set_probe(probe)
+        assert engine.probe_plan is None
+        engine.submit(_group(n=2, max_new_tokens=8))
+        assert not any(s.probe for s in engine.step())
+    engine.set_probe(None)
+    engine.set_schedule(None)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from services.api.sparrow.v1 import common_pb2 as sparrow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sparrow/v1/rollout.proto\x12\nsparrow.v1\x1a\x17sparrow/v1/common.proto\"~\n\x19StreamTrajectoriesRequest\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.sparrow.v1.GeneratorHelloH\x00\x12,\n\ntrajectory\x18\x02 \x01(\x0b\x32\x16.sparrow.v1.TrajectoryH\x00\x42\x06\n\x04item\"y\n\x1aStreamTrajectoriesResponse\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.sparrow.v1.TrainerHelloH\x00\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x19.sparrow.v1.TrajectoryAckH\x00\x42\x06\n\x04item\"N\n\x0eGeneratorHello\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12&\n\x08versions\x18\x02 \x01(\x0b\x32\x14.sparrow.v1.Versions\"4\n\x0cTrainerHello\x12$\n\x06latest\x18\x01 \x01(\x0b\x32\x14.sparrow.v1.Versions\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\":\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x02 \x01(\x01\"\xe2\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.sparrow.v1.TopLogprobs\x12\x12\n\nkv_budgets\x18\x08 \x03(\x05\x12&\n\x08versions\x18\t \x01(\x0b\x32\x14.sparrow.v1.Versions\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.sparrow.v1.FinishReason\x12$\n\x07timings\x18\x0b \x01(\x0b\x32\x13.sparrow.v1.Timings\x12\x14\n\x0cgenerator_id\x18\x0c \x01(\t\"]\n\rTrajectoryAck\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12%\n\x06status\x18\x02 \x01(\x0e\x32\x15.sparrow.v1.AckStatus\x12\x0e\n\x06reason\x18\x03 \x01(\t*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*s\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_STATUS_ACCEPTED\x10\x01\x12\x18\n\x14\x41\x43K_STATUS_DUPLICATE\x10\x02\x12\x17\n\x13\x41\x43K_STATUS_REJECTED\x10\x03\x32y\n\x0eRolloutService\x12g\n\x12StreamTrajectories\x12%.sparrow.v1.StreamTrajectoriesRequest\x1a&.sparrow.v1.StreamTrajectoriesResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sparrow/v1/rollout.proto\x12\nsparrow.v1\x1a\x17sparrow/v1/common.proto\"~\n\x19StreamTrajectoriesRequest\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1a.sparrow.v1.GeneratorHelloH\x00\x12,\n\ntrajectory\x18\x02 \x01(\x0b\x32\x16.sparrow.v1.TrajectoryH\x00\x42\x06\n\x04item\"y\n\x1aStreamTrajectoriesResponse\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.sparrow.v1.TrainerHelloH\x00\x12(\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x19.sparrow.v1.TrajectoryAckH\x00\x42\x06\n\x04item\"N\n\x0eGeneratorHello\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12&\n\x08versions\x18\x02 \x01(\x0b\x32\x14.sparrow.v1.Versions\"4\n\x0cTrainerHello\x12$\n\x06latest\x18\x01 \x01(\x0b\x32\x14.sparrow.v1.Versions\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\":\n\x07Timings\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x18\n\x10generate_seconds\x18\x02 \x01(\x01\"\xf1\x02\n\nTrajectory\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x14\n\x0csample_index\x18\x03 \x01(\x05\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12-\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x17.sparrow.v1.TopLogprobs\x12\x12\n\nkv_budgets\x18\x08 \x03(\x05\x12&\n\x08versions\x18\t \x01(\x0b\x32\x14.sparrow.v1.Versions\x12/\n\rfinish_reason\x18\n \x01(\x0e\x32\x18.sparrow.v1.FinishReason\x12$\n\x07timings\x18\x0b \x01(\x0b\x32\x13.sparrow.v1.Timings\x12\x14\n\x0cgenerator_id\x18\x0c \x01(\t\x12\r\n\x05probe\x18\r \x01(\x08\"]\n\rTrajectoryAck\x12\x15\n\rtrajectory_id\x18\x01 \x01(\t\x12%\n\x06status\x18\x02 \x01(\x0e\x32\x15.sparrow.v1.AckStatus\x12\x0e\n\x06reason\x18\x03 \x01(\t*z\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x03*s\n\tAckStatus\x12\x1a\n\x16\x41\x43K_STATUS_UNSPECIFIED\x10\x00\x12\x17\n\x13\x41\x43K_STATUS_ACCEPTED\x10\x01\x12\x18\n\x14\x41\x43K_STATUS_DUPLICATE\x10\x02\x12\x17\n\x13\x41\x43K_STATUS_REJECTED\x10\x03\x32y\n\x0eRolloutService\x12g\n\x12StreamTrajectories\x12%.sparrow.v1.StreamTrajectoriesRequest\x1a&.sparrow.v1.StreamTrajectoriesResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sparrow.v1.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1014
-  _globals['_FINISHREASON']._serialized_end=1136
-  _globals['_ACKSTATUS']._serialized_start=1138
-  _globals['_ACKSTATUS']._serialized_end=1253
+  _globals['_FINISHREASON']._serialized_start=1029
+  _globals['_FINISHREASON']._serialized_end=1151
+  _globals['_ACKSTATUS']._serialized_start=1153
+  _globals['_ACKSTATUS']._serialized_end=1268
   _globals['_STREAMTRAJECTORIESREQUEST']._serialized_start=65
   _globals['_STREAMTRAJECTORIESREQUEST']._serialized_end=191
   _globals['_STREAMTRAJECTORIESRESPONSE']._serialized_start=193
@@ -49,9 +49,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TIMINGS']._serialized_start=502
   _globals['_TIMINGS']._serialized_end=560
   _globals['_TRAJECTORY']._serialized_start=563
-  _globals['_TRAJECTORY']._serialized_end=917
-  _globals['_TRAJECTORYACK']._serialized_start=919
-  _globals['_TRAJECTORYACK']._serialized_end=1012
-  _globals['_ROLLOUTSERVICE']._serialized_start=1255
-  _globals['_ROLLOUTSERVICE']._serialized_end=1376
+  _globals['_TRAJECTORY']._serialized_end=932
+  _globals['_TRAJECTORYACK']._serialized_start=934
+  _globals['_TRAJECTORYACK']._serialized_end=1027
+  _globals['_ROLLOUTSERVICE']._serialized_start=1270
+  _globals['_ROLLOUTSERVICE']._serialized_end=1391
 # @@protoc_insertion_point(module_scope)

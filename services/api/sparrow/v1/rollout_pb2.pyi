@@ -77,7 +77,7 @@ class Timings(_message.Message):
     def __init__(self, queue_seconds: _Optional[float] = ..., generate_seconds: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "group_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "kv_budgets", "versions", "finish_reason", "timings", "generator_id")
+    __slots__ = ("trajectory_id", "group_id", "sample_index", "prompt_token_ids", "token_ids", "logprobs", "top_logprobs", "kv_budgets", "versions", "finish_reason", "timings", "generator_id", "probe")
     TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,7 @@ class Trajectory(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     group_id: str
     sample_index: int
@@ -102,7 +103,8 @@ class Trajectory(_message.Message):
     finish_reason: FinishReason
     timings: Timings
     generator_id: str
-    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_budgets: _Optional[_Iterable[int]] = ..., versions: _Optional[_Union[_common_pb2.Versions, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., generator_id: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, trajectory_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., kv_budgets: _Optional[_Iterable[int]] = ..., versions: _Optional[_Union[_common_pb2.Versions, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., generator_id: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class TrajectoryAck(_message.Message):
     __slots__ = ("trajectory_id", "status", "reason")
