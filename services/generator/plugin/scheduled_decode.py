@@ -139,7 +139,7 @@ class ScheduledDecode:
         n = count if rows is None else (int(rows.max()) + 1 if rows.numel() else 0)
         key = tuple(ids[:n])
         cached = self._probe_rows
-        if cached is None or cached[0] != key or cached[1].device != device:
+        if cached is None or cached[0] != key or (cached[1] is not None and cached[1].device != device):
             flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in key]
             flags += [False] * (n - len(flags))
             cached = (key, torch.tensor(flags, dtype=torch.bool, device=device) if any(flags) else None)

@@ -96,5 +96,9 @@ def test_probe_rows_take_the_probe_budget_by_request_id_and_the_rest_the_schedul
     assert impl.budget_pages(seq_lens[[0, 2]], torch.tensor([0, 2])).tolist() == [4, 8]
     ids[1] = "seq:b-2"  # the batch changed (a row was refilled): read again, not cached by position
     assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 3]
+    ids[3] = "seq:d-4"  # no probe row left in the batch, step after step
+    for _ in range(2):
+        assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 4]
+        assert impl.budget_pages(seq_lens[[1, 3]], torch.tensor([1, 3])).tolist() == [8, 4]
     impl.set_probe(None)
     assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 4]
