@@ -140,7 +140,7 @@ class VllmEngine(RolloutEngine):
         self._versions = EngineVersions(self._versions.policy_version, self._versions.adapter_version, version)
         try:
             self._apply_probe()
-        except ProbeError:  # the probe was for the old layout; it cannot apply to this schedule
+        except (ProbeError, EngineError):  # the probe was for the old layout; it cannot apply to this schedule
             self._probe = None
             self._apply_probe()
 
@@ -151,7 +151,7 @@ class VllmEngine(RolloutEngine):
         self._probe = probe
         try:
             self._apply_probe()
-        except ProbeError as exc:
+        except (ProbeError, EngineError) as exc:
             self._probe = old
             raise EngineError(f"probe refused: {exc}") from None
 
@@ -165,7 +165,10 @@ class VllmEngine(RolloutEngine):
         probe = self._probe
         plan = probe.plan(self._schedule) if probe is not None and not probe.expired() else None
         if plan != self._plan and self.sparse_layers:
-            self._rpc("sparrow_set_probe", None if plan is None else plan.pages())
+            try:
+                self._rpc("sparrow_set_probe", None if plan is None else plan.pages())
+            except Exception as exc:  # raised in the worker: it keeps the plan it had
+                raise EngineError(f"the attention layers refused the probe: {exc}") from exc
         self._plan = plan
 
     def load_policy(self, folder: Path, version: int) -> None:

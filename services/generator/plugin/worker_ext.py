@@ -40,6 +40,11 @@ class SparrowWorkerExtension:
         if pages is not None and (not pages or any(not isinstance(p, int) or p <= 0 for p in pages)):
             raise ValueError(f"probe pages must be positive integers per bin, got {pages!r}")
         runner = self.model_runner
+        if pages is not None and not hasattr(getattr(runner, "input_batch", None), "req_ids"):
+            raise RuntimeError(
+                f"probes need the model runner's persistent batch (input_batch.req_ids), which "
+                f"{type(runner).__name__} does not have"
+            )
 
         def row_ids():
             # The batch's request ids in row order: the order of the attention metadata's rows (vLLM
