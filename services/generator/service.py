@@ -71,6 +71,7 @@ class GeneratorService:
         )
         self.sync: VersionSync | None = None
         self.schedule: Schedule | None = None
+        self._probe_asked: tuple | None = None  # (schedule version, share, budgets) of the probe in force
         self.serving: EngineVersions = engine.versions
         self.draining = False
         self.in_flight_sequences = 0
@@ -480,12 +481,20 @@ class GeneratorService:
         return schedule.version if schedule is not None else 0
 
     def apply_probe(self, probe: Probe | None) -> None:
-        """Engine thread: hand the probe request to the engine (refusals raise EngineError and keep the last)."""
+        """Engine thread: hand the probe request to the engine (refusals raise EngineError and keep the last).
+
+        The controller renews its request every tick (a later `expires_at`); only a request that asks for
+        something else is counted as a swap and logged.
+        """
+        what = None if probe is None else (probe.schedule_version, probe.share, probe.budgets)
         try:
             self.engine.set_probe(probe)
         except EngineError:
             self.metrics.swaps.labels(kind="probe", outcome="refused").inc()
             raise
+        if what == self._probe_asked:
+            return
+        self._probe_asked = what
         self.metrics.swaps.labels(kind="probe", outcome="ok").inc()
         if probe is not None:
             log.info(

@@ -164,9 +164,10 @@ class VllmEngine(RolloutEngine):
         # The plan in force: the probe resolved against the schedule, while it has not expired.
         probe = self._probe
         plan = probe.plan(self._schedule) if probe is not None and not probe.expired() else None
-        if plan != self._plan and self.sparse_layers:
+        pages = None if plan is None else plan.pages()
+        if pages != (None if self._plan is None else self._plan.pages()) and self.sparse_layers:
             try:
-                self._rpc("sparrow_set_probe", None if plan is None else plan.pages())
+                self._rpc("sparrow_set_probe", pages)
             except Exception as exc:  # raised in the worker: it keeps the plan it had
                 raise EngineError(f"the attention layers refused the probe: {exc}") from exc
         self._plan = plan
