@@ -52,6 +52,10 @@ class StatusOut(BaseModel):
     trainer_schedule_version: int | None
     bins: list[BinOut]
     last_decisions: list[dict[str, Any]]
+    probe: dict[str, Any] | None = Field(
+        None,
+        description="The probe request last written: schedule_version, share, budgets per probed bin (null: none).",
+    )
     ticks: int
     last_tick: float | None
 

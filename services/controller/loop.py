@@ -52,6 +52,7 @@ class ControlLoop:
         self.trainer_version: int | None = None
         self.bins: list[BinStatus] = []
         self.decisions: deque[dict[str, Any]] = deque(maxlen=config.api.decisions_kept)
+        self.probe: dict[str, Any] | None = None  # the last probe request written (None: none)
         self.ticks = 0
         self.last_tick: float | None = None
         self._lock = asyncio.Lock()
@@ -170,6 +171,11 @@ class ControlLoop:
             await self.publisher.set_probe(schedule.version, p.share, budgets, schedule.num_bins, p.ttl_s)
         except StoreError as exc:
             log.warning("probe request not written: %s", exc)
+            return
+        probe = {"schedule_version": schedule.version, "share": p.share, "budgets": budgets} if budgets else None
+        if probe != self.probe:
+            self.probe = probe
+            log.info("probe request: %s", probe if probe else "none")
 
     def _speedup(self, schedule: Schedule) -> float:
         try:
@@ -224,6 +230,7 @@ class ControlLoop:
             "trainer_schedule_version": self.trainer_version,
             "bins": bins,
             "last_decisions": list(reversed(self.decisions)),
+            "probe": self.probe,
             "ticks": self.ticks,
             "last_tick": self.last_tick,
         }

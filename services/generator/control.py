@@ -24,7 +24,7 @@ from services.common.grpc_server import (
 from services.generator.engine import EngineError
 from services.generator.service import GeneratorService
 from services.generator.weight_fetch import WeightFetchError, WeightsUnavailable
-from sparrow.probe import Probe, ProbeError
+from sparrow.probe import Probe, ProbeError, ProbePlan
 from sparrow.schedule import Schedule, ScheduleError
 
 log = logging.getLogger("sparrow.generator.control")
@@ -75,6 +75,14 @@ def probe_from_proto(p: generator_pb2.Probe, schedule: Schedule) -> Probe | None
     probe = Probe(schedule.version, p.share, budgets, p.expires_at)
     probe.plan(schedule)  # raises when the budgets do not fit the schedule's layout
     return probe
+
+
+def probe_to_proto(plan: ProbePlan | None) -> generator_pb2.Probe | None:
+    """The wire form of the probe in force (budgets equal to the schedule's as 0); None when there is none."""
+    if plan is None:
+        return None
+    budgets = [b if b != s else 0 for b, s in zip(plan.budgets, plan.schedule.budgets, strict=True)]
+    return generator_pb2.Probe(share=plan.share, budgets=budgets, expires_at=plan.expires_at)
 
 
 def _versions(service: GeneratorService) -> common_pb2.Versions:
@@ -159,6 +167,7 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
             in_flight_sequences=s.in_flight_sequences,
             draining=s.draining,
             schedule=schedule_to_proto(s.schedule),
+            probe=probe_to_proto(s.engine.probe_plan),
         )
 
 

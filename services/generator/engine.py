@@ -22,7 +22,7 @@ import abc
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sparrow.probe import Probe
+from sparrow.probe import Probe, ProbePlan
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 
@@ -88,6 +88,11 @@ class RolloutEngine(abc.ABC):
         """Runs `probe.share` of new sequences at the probe's budgets (None: none) while it applies to the
         schedule in force and has not expired; a probe sequence decodes at the probe's budgets while a
         probe applies, at the schedule's otherwise. Raises EngineError for a probe the schedule cannot run."""
+
+    @property
+    @abc.abstractmethod
+    def probe_plan(self) -> ProbePlan | None:
+        """The probe new sequences run under now (None: none applies)."""
 
     @abc.abstractmethod
     def load_policy(self, folder: Path, version: int) -> None:

@@ -124,6 +124,11 @@ def test_controller_converges_reconverges_and_holds_when_blind(tmp_path):
                 fresh = [b for b in status["bins"] if b["p5_exact"] is not None and b["p5_histogram"] is not None]
                 # The PromQL histogram quantile lands within about one bucket (0.02-0.03 here) of the exact p5.
                 assert fresh and all(abs(b["p5_histogram"] - b["p5_exact"]) < 0.035 for b in fresh), fresh
+                # The probe request it shows (if any) asks for less than the schedule it names, bin by bin.
+                probe = status["probe"]
+                if probe is not None and probe["schedule_version"] == status["schedule"]["version"]:
+                    scheduled = status["schedule"]["budgets"]
+                    assert all(b < scheduled[int(i)] for i, b in probe["budgets"].items()), (probe, scheduled)
 
                 # Safety on the way: no schedule the controller published put any bin's true p5 below tau.
                 curves = [power_curve(b, TARGET) for b in BSTARS]

@@ -79,6 +79,7 @@ def test_set_schedule_validates_applies_and_shows_in_status_and_trajectories(run
     assert reply.schedule_version == 9
     status = stub.GetStatus(generator_pb2.GetStatusRequest(), timeout=5)
     assert list(status.schedule.budgets) == [64] and status.serving.schedule_version == 9
+    assert status.HasField("probe") and list(status.probe.budgets) == [48] and status.probe.share == 0.5
     h.enqueue(group("s", n=2, pairs=25))  # 80-token prompt: past both budgets from the start
     h.wait_settled({"s": 2})
     plain, probed = sorted(h.trainer.of_group("s"), key=lambda t: t.probe)
@@ -88,6 +89,7 @@ def test_set_schedule_validates_applies_and_shows_in_status_and_trajectories(run
     # A probe message with share 0 clears the probe: every sequence follows the schedule again.
     off = generator_pb2.SetScheduleRequest(schedule=good, probe=generator_pb2.Probe(share=0))
     assert stub.SetSchedule(off, timeout=30).schedule_version == 9
+    assert not stub.GetStatus(generator_pb2.GetStatusRequest(), timeout=5).HasField("probe")
     h.enqueue(group("t", n=2, pairs=25))
     h.wait_settled({"t": 2})
     assert not any(t.probe for t in h.trainer.of_group("t"))

@@ -64,15 +64,17 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("generator_id", "serving", "in_flight_sequences", "draining", "schedule")
+    __slots__ = ("generator_id", "serving", "in_flight_sequences", "draining", "schedule", "probe")
     GENERATOR_ID_FIELD_NUMBER: _ClassVar[int]
     SERVING_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     generator_id: str
     serving: _common_pb2.Versions
     in_flight_sequences: int
     draining: bool
     schedule: _common_pb2.Schedule
-    def __init__(self, generator_id: _Optional[str] = ..., serving: _Optional[_Union[_common_pb2.Versions, _Mapping]] = ..., in_flight_sequences: _Optional[int] = ..., draining: _Optional[bool] = ..., schedule: _Optional[_Union[_common_pb2.Schedule, _Mapping]] = ...) -> None: ...
+    probe: Probe
+    def __init__(self, generator_id: _Optional[str] = ..., serving: _Optional[_Union[_common_pb2.Versions, _Mapping]] = ..., in_flight_sequences: _Optional[int] = ..., draining: _Optional[bool] = ..., schedule: _Optional[_Union[_common_pb2.Schedule, _Mapping]] = ..., probe: _Optional[_Union[Probe, _Mapping]] = ...) -> None: ...
