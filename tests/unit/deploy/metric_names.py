@@ -41,6 +41,7 @@ GENERATOR_METRICS = (
     "sparrow_generator_swaps_total",
     "sparrow_generator_trajectories_total",
     "sparrow_generator_groups_total",
+    "sparrow_generator_probe_sequences_total",
     "sparrow_generator_step_seconds",
 )
 CONTROLLER_METRICS = (
