@@ -4,6 +4,9 @@ a real gRPC stand-in trainer. The plumbing is tested at length with the referenc
 per-position budgets out, a schedule from Redis applied mid-run, a new policy loaded in place.
 """
 
+import json
+import time
+
 import pytest
 
 from sparrow import metrics_contract as mc
@@ -36,6 +39,12 @@ def test_vllm_generator_serves_groups_applies_schedules_and_loads_policies(start
     trainer.wait_for(lambda: h.service.serving.policy_version == 1, 60, "policy v1 loaded")
     h.enqueue(group("b", n=2, max_new_tokens=30, pairs=20, seed=7))
     h.wait_settled({"a0": 2, "a1": 2, "b": 2})
+    # A probe request in Redis, as the controller writes it: half the new sequences at 48 tokens.
+    probe = {"schedule_version": 2, "share": 0.5, "budgets": [48], "expires_at": time.time() + 300}
+    client.set(mc.PROBE_KEY, json.dumps(probe))
+    trainer.wait_for(lambda: h.service.engine.probe_plan is not None, 60, "the probe taken")
+    h.enqueue(group("c", n=2, max_new_tokens=30, pairs=20, seed=8))
+    h.wait_settled({"a0": 2, "a1": 2, "b": 2, "c": 2})
 
     for gid in ("a0", "a1"):
         for t in trainer.of_group(gid):
@@ -46,6 +55,10 @@ def test_vllm_generator_serves_groups_applies_schedules_and_loads_policies(start
     for t in trainer.of_group("b"):
         assert (t.versions.schedule_version, t.versions.policy_version) == (2, 1)
         assert set(t.kv_budgets[1:]) == {64}
+    plain, probed = sorted(trainer.of_group("c"), key=lambda t: t.probe)
+    assert (plain.probe, probed.probe) == (False, True)
+    assert set(plain.kv_budgets[1:]) == {64} and set(probed.kv_budgets[1:]) == {48}
+    assert h.metric("sparrow_generator_probe_sequences_total") == 1
     assert h.dead() == [] and h.pending() == 0
     assert h.metric("sparrow_generator_tokens_total", mode="sparse") > 0
     assert h.metric("sparrow_generator_swaps_total", kind="policy", outcome="ok") == 1
