@@ -144,6 +144,7 @@ class History:
 
     def _row(self, step: dict, throughput: dict, schedule: dict | None, speedup: float | None, promql: dict) -> dict:
         bins = step.get("alpha_bins", [])
+        probes = step.get("alpha_probe_bins", [])
         return {
             "step": step["step"],
             "time": time.time(),
@@ -156,6 +157,8 @@ class History:
             "p5": {str(b["bin"]): b["p5"] for b in bins},
             "alpha_tokens": {str(b["bin"]): b["tokens"] for b in bins},
             "p5_promql": promql,
+            "probe_samples": step.get("probe_samples", 0),
+            "probe_p5": {str(b["bin"]): b["p5"] for b in probes},
             "tau": self.sources.tau,
             "policy_version": step.get("policy_version"),
             "published_version": step.get("published_version"),

@@ -24,9 +24,14 @@ def _num(value, fmt: str = ".3f", missing: str = "-") -> str:
 
 
 def p5_table(row: dict) -> Table:
-    """One line per length bin: its KV range, budget, exact and PromQL p5, tokens, and whether p5 holds tau."""
+    """One line per length bin: its KV range, budget, exact and PromQL p5, tokens, and whether p5 holds tau;
+    with probe sequences in the step, also the p5 of their tokens (at the controller's probe budgets)."""
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for col in ("bin", "KV tokens", "budget", "p5", "PromQL p5", "tokens", f"vs tau {row['tau']:g}"):
+    probes = row.get("probe_p5") or {}
+    columns = ["bin", "KV tokens", "budget", "p5", "PromQL p5", "tokens", f"vs tau {row['tau']:g}"]
+    if probes:
+        columns.append(f"probe p5 ({row.get('probe_samples', 0)} samples)")
+    for col in columns:
         table.add_column(col, justify="right")
     budgets, width = row.get("schedule_budgets"), row.get("bin_width")
     for b in sorted(row.get("p5", {}), key=int):
@@ -36,7 +41,10 @@ def p5_table(row: dict) -> Table:
         ok = p5 >= row["tau"]
         mark = Text("holds" if ok else "below", style="green" if ok else "bold red")
         promql = row.get("p5_promql", {}).get(b)
-        table.add_row(b, span, budget, f"{p5:.3f}", _num(promql), str(row.get("alpha_tokens", {}).get(b, "")), mark)
+        cells = [b, span, budget, f"{p5:.3f}", _num(promql), str(row.get("alpha_tokens", {}).get(b, "")), mark]
+        if probes:
+            cells.append(_num(probes.get(b)))
+        table.add_row(*cells)
     return table
 
 

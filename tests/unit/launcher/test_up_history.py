@@ -3,9 +3,11 @@
 import json
 
 import pytest
+from rich.console import Console
 
 from services.generator.metrics import GeneratorMetrics
 from services.launcher.history import History, HistorySources, read_history
+from services.launcher.progress import p5_table
 
 SCHEDULE = {"name": "s", "version": 3, "bin_width": 16, "budgets": [48, 64], "page_size": 16}
 
@@ -80,11 +82,18 @@ def test_rows_join_the_trainers_step_with_the_generators_counters(tmp_path, expo
     assert row["generator_policy_versions"] == {"gen-0": 4}  # gen-1 does not answer: left out
     assert row["schedule_version"] == 3 and row["schedule_budgets"] == [48, 64] and row["predicted_speedup"] == 1.5
 
-    steps.write_text(json.dumps(_step(1)) + "\n" + json.dumps(_step(2, p5=0.5)) + "\n")
+    assert row["probe_samples"] == 0 and row["probe_p5"] == {}
+    probed = {**_step(2, p5=0.5), "probe_samples": 2, "alpha_probe_bins": [{"bin": 0, "tokens": 9, "p5": 0.25}]}
+    steps.write_text(json.dumps(_step(1)) + "\n" + json.dumps(probed) + "\n")
     gen0.record_tokens(20, [0] * 6)
     gen0.step_seconds.observe(0.5)
     (row2,) = history.poll()
     assert row2["step"] == 2 and row2["p5"] == {"0": 0.5}
+    assert row2["probe_samples"] == 2 and row2["probe_p5"] == {"0": 0.25}
+    console = Console(width=160, record=True)
+    console.print(p5_table(row2))
+    text = console.export_text()
+    assert "probe p5 (2 samples)" in text and "0.250" in text
     assert row2["generated_tokens"] == 6 and row2["rollout_tokens_per_s"] == pytest.approx(6 / 0.5)
     assert read_history(tmp_path) == [row, row2] == history.rows
 
