@@ -122,7 +122,7 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
         try:
             version = self.service.call(apply, CALL_TIMEOUT_S)
         except (EngineError, ValueError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule: {exc}")
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule or probe: {exc}")
         except RuntimeError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("schedule v%d set through the control API", version)
