@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparrow.schedule import Schedule
+from sparrow.schedule import Schedule, per_bin
 
 if TYPE_CHECKING:
     import torch
@@ -142,12 +142,7 @@ class ProbePlan:
 
     def budget_tokens(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Probe budget in tokens for every KV length in `kv_lens`."""
-        import torch
-
-        kv = torch.as_tensor(kv_lens)
-        s = self.schedule
-        table = torch.tensor(self.budgets, dtype=torch.int64, device=kv.device)
-        return table[torch.clamp(torch.div(kv.long(), s.bin_width, rounding_mode="floor"), max=s.num_bins - 1)]
+        return per_bin(self.budgets, self.schedule.bin_width, kv_lens)
 
 
 def _is_int(value: Any) -> bool:

@@ -111,16 +111,7 @@ class Schedule:
 
     def budget_tokens(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Scheduled budget in tokens for every KV length in `kv_lens` (int64, same shape)."""
-        import torch  # lazily, so that reading and showing schedules stays quick
-
-        kv = torch.as_tensor(kv_lens)
-        if kv.is_floating_point() or kv.dtype == torch.bool:
-            raise ValueError(f"KV lengths must be an integer tensor, got {kv.dtype}")
-        if kv.numel() and int(kv.min()) < 0:
-            raise ValueError("KV lengths must be >= 0")
-        table = torch.tensor(self.budgets, dtype=torch.int64, device=kv.device)
-        index = torch.clamp(torch.div(kv.long(), self.bin_width, rounding_mode="floor"), max=self.num_bins - 1)
-        return table[index]
+        return per_bin(self.budgets, self.bin_width, kv_lens)
 
     def budget_pages(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Scheduled budget in pages (blocks) for every KV length in `kv_lens`."""
@@ -204,6 +195,20 @@ _FIELD_TYPES: dict[str, str] = {
     "dense_layers": "a list of integers",
     "budgets": "a list of integers",
 }
+
+
+def per_bin(values: tuple[int, ...], bin_width: int, kv_lens: torch.Tensor) -> torch.Tensor:
+    """`values[bin]` for every KV length in `kv_lens` (int64, same shape; the last bin is open-ended)."""
+    import torch  # lazily, so that reading and showing schedules stays quick
+
+    kv = torch.as_tensor(kv_lens)
+    if kv.is_floating_point() or kv.dtype == torch.bool:
+        raise ValueError(f"KV lengths must be an integer tensor, got {kv.dtype}")
+    if kv.numel() and int(kv.min()) < 0:
+        raise ValueError("KV lengths must be >= 0")
+    table = torch.tensor(values, dtype=torch.int64, device=kv.device)
+    index = torch.clamp(torch.div(kv.long(), bin_width, rounding_mode="floor"), max=len(values) - 1)
+    return table[index]
 
 
 def _is_int(value: Any) -> bool:

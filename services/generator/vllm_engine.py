@@ -41,7 +41,6 @@ _SEQUENCE_PREFIX = "seq:"  # request ids of sequences that follow the schedule
 class _Sequence:
     group: PromptGroup
     index: int
-    key: str  # "group#attempt#index": the request id less its prefix
     versions: EngineVersions
     submitted: float
     probe: bool = False
@@ -115,7 +114,6 @@ class VllmEngine(RolloutEngine):
         self._engine = LLMEngine.from_engine_args(args)
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
         self._sequences: dict[str, _Sequence] = {}
-        self._in_flight_keys: set[str] = set()  # "group#attempt#i" of each sequence in flight (id less prefix)
         self._by_group: dict[str, list[str]] = {}
         self._versions = EngineVersions()
         self._schedule: Schedule | None = None
@@ -222,21 +220,20 @@ class VllmEngine(RolloutEngine):
             output_kind=RequestOutputKind.DELTA,
         )
         now = time.time()
-        if any(f"{group.group_id}#{group.attempt}#{i}" in self._in_flight_keys for i in range(group.n)):
+        keys = [f"{group.group_id}#{group.attempt}#{i}" for i in range(group.n)]
+        if any(prefix + key in self._sequences for key in keys for prefix in (PROBE_PREFIX, _SEQUENCE_PREFIX)):
             raise EngineError(f"group {group.group_id} attempt {group.attempt} is already being generated")
         self._expire_probe()
         ids = []
-        for i in range(group.n):
+        for i, key in enumerate(keys):
             # External ids (vLLM adds its own suffix internally; outputs and aborts use these). The
             # attention layers tell probe rows by the prefix; every other id starts otherwise.
-            key = f"{group.group_id}#{group.attempt}#{i}"
             probe = self._plan is not None and self._probe_share.take(self._plan.share)
             rid = (PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
             self._engine.add_request(
                 rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
             )
-            self._sequences[rid] = _Sequence(group, i, key, self._versions, submitted=now, probe=probe)
-            self._in_flight_keys.add(key)
+            self._sequences[rid] = _Sequence(group, i, self._versions, submitted=now, probe=probe)
             ids.append(rid)
         self._by_group.setdefault(group.group_id, []).extend(ids)
 
@@ -289,7 +286,6 @@ class VllmEngine(RolloutEngine):
 
     def _finish(self, request_id: str, reason: str) -> FinishedSample:
         seq = self._sequences.pop(request_id)
-        self._in_flight_keys.discard(seq.key)
         group_ids = self._by_group.get(seq.group.group_id, [])
         if request_id in group_ids:
             group_ids.remove(request_id)
@@ -317,9 +313,7 @@ class VllmEngine(RolloutEngine):
         if ids:
             self._engine.abort_request(ids)
         for rid in ids:
-            seq = self._sequences.pop(rid, None)
-            if seq is not None:
-                self._in_flight_keys.discard(seq.key)
+            self._sequences.pop(rid, None)
 
     @property
     def versions(self) -> EngineVersions:
