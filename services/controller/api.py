@@ -22,9 +22,16 @@ class BinOut(BaseModel):
 
     bin: int
     budget: int = Field(description="Current budget, kept KV tokens.")
-    state: str = Field(description="no_data | waiting (data from an older budget) | few_tokens | fresh | at_max")
+    state: str = Field(
+        description="no_data | waiting (data from an older budget) | few_tokens | fresh | "
+        "confirming (under target but above tau: waiting for raise_min_readings) | at_max"
+    )
     p5: float | None = Field(description="The reading that decided (exact gauge or histogram quantile).")
     estimate: float | None = Field(description="Running mean of p5 readings at this budget.")
+    readings: int = Field(0, description="Distinct fresh readings since this budget was set.")
+    noise: float | None = Field(
+        None, description="Learned scatter (RMS) of one reading around its budget's mean; None before a repeat."
+    )
     headroom: float | None = Field(description="estimate - (tau + margin); negative means below target.")
     p5_exact: float | None
     p5_histogram: float | None

@@ -34,6 +34,11 @@ class RetuneConfig(ConfigSection):
     lower_min_readings: int = Field(
         2, ge=1, description="Distinct fresh readings a bin needs over the hold before it is lowered."
     )
+    raise_min_readings: int = Field(
+        2,
+        ge=1,
+        description="Readings at a budget whose mean is below target (but each >= tau) before it is raised; below tau: at once.",
+    )
     average_readings: int = Field(
         4, ge=1, description="Readings at one budget are averaged; the newest keeps at least 1/this of the weight."
     )

@@ -5,6 +5,12 @@ which smooths the noise of a per-step p5. The policy and the adapter drift, so t
 when the current budget's mean moves, every other budget's point moves by as much (the curve is
 assumed to shift as a whole; the shifts telescope, so noise does not pile up), and a reading that
 breaks monotonicity against the fit by more than `reset_delta` wipes what came before it.
+
+One step's p5 scatters around its budget's mean (a few thousand correlated tokens per reading), so
+the memory also learns that scatter: the spread of each repeated reading around the mean it joins
+(an RMS, exponentially weighted once it has 1/NOISE_WEIGHT deviations). A reading counts as revealing a moved curve only beyond
+`RESET_SIGMAS` of that scatter as well as beyond `reset_delta`; within it, it is noise to be
+averaged, and wiping the memory on it would throw away the curve the averaging has built.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import math
 from services.controller.curve import Curve, Point
 
 MAX_POINTS = 64  # distinct budgets per bin; the least recently observed go first
+RESET_SIGMAS = 4.0
+NOISE_WEIGHT = 0.05  # least weight of the newest squared deviation in the scatter estimate (plain mean before)
 
 
 class BinMemory:
@@ -24,17 +32,34 @@ class BinMemory:
         self.reset_delta = reset_delta
         self.memory_s = memory_s
         self.points: list[Point] = []
+        self._noise_var: float | None = None  # mean squared deviation of a reading from its budget's mean
+        self._noise_n = 0
+
+    @property
+    def noise(self) -> float | None:
+        """The learned scatter (RMS) of one reading around its budget's mean; None before a repeat."""
+        return None if self._noise_var is None else math.sqrt(self._noise_var)
+
+    def reset_threshold(self) -> float:
+        """How far from the fitted curve a reading must fall to mean that the curve moved."""
+        noise = self.noise
+        return self.reset_delta if noise is None else max(self.reset_delta, RESET_SIGMAS * noise)
 
     def add(self, point: Point, now: float, prior_slope: float, min_slope: float) -> bool:
         """Take one reading; returns True when it revealed that the curve moved (older points dropped)."""
         kept = [p for p in self.points if now - p.time <= self.memory_s]
+        same = next((p for p in kept if p.budget == point.budget), None)
+        threshold = self.reset_threshold()
+        if same is not None:  # learned before the reset test, or a scatter beyond reset_delta is never learned
+            self._noise_n += 1
+            w = max(NOISE_WEIGHT, 1 / self._noise_n)
+            self._noise_var = (1 - w) * (self._noise_var or 0.0) + w * (point.p5 - same.p5) ** 2
         reset = False
         if kept:
             fitted = Curve.from_points(kept, prior_slope, min_slope).points
-            x, d = math.log2(point.budget), self.reset_delta
+            x, d = math.log2(point.budget), threshold
             if any((px <= x and py > point.p5 + d) or (px >= x and py < point.p5 - d) for px, py in fitted):
-                kept, reset = [], True
-        same = next((p for p in kept if p.budget == point.budget), None)
+                kept, same, reset = [], None, True
         if same is not None:
             old_weight = min(same.weight, (self.average_readings - 1) * point.weight)
             mean = (same.p5 * old_weight + point.p5 * point.weight) / (old_weight + point.weight)

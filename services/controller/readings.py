@@ -49,9 +49,11 @@ class BinStatus:
 
     bin: int
     budget: int
-    state: str = "no_data"  # no_data | waiting | few_tokens | fresh | at_max
+    state: str = "no_data"  # no_data | waiting | few_tokens | fresh | confirming | at_max
     p5: float | None = None  # the reading that decided (exact or histogram)
     estimate: float | None = None  # running mean of readings at this budget
+    readings: int = 0  # distinct fresh readings since this budget was set
+    noise: float | None = None  # learned scatter (RMS) of one reading around its budget's mean
     p5_exact: float | None = None
     p5_histogram: float | None = None
     tokens: float = 0.0

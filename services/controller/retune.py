@@ -3,9 +3,12 @@
 Each tick, for every bin whose reading was produced under its current budget (fresh) and covers
 `min_tokens` tokens, the reading joins the bin's memory and the bin's estimate is the running mean
 at its budget. Then:
-- raise when the estimate is below target (tau + margin), or at once when a single reading is below
-  tau: to the cheapest budget the fitted curve predicts to hold the target (at least one grid
-  step more, at most `max_step_ratio` times);
+- raise when the estimate is below target (tau + margin) over `raise_min_readings` readings at
+  this budget, or at once when a single reading is below tau: to the cheapest budget the fitted
+  curve predicts to hold the target (at least one grid step more, at most `max_step_ratio` times).
+  The size comes from the averaged estimate, not from the one reading: one step's p5 scatters by
+  a few hundredths, and sizing by a dip (or raising on a single reading inside the margin) ratchets
+  budgets upwards, a grid step at a time, until every bin sits well above the band;
 - lower after the estimate stayed at or above target for `lower_hold_s` (and `lower_min_readings`
   readings): to the predicted cheapest budget when a lower budget was seen below target +
   `refine_margin` (the target is bracketed: an interpolation, and never onto or under that budget),
@@ -39,6 +42,7 @@ class _Bin:
     ok_readings: int = 0
     high_since: float | None = None
     high_readings: int = 0
+    readings: int = 0  # distinct fresh readings since this budget was set
     last_raw: tuple | None = None
     last_probe: tuple | None = None
 
@@ -68,7 +72,7 @@ class Retuner:
             if budget != state.budget:
                 state.budget, state.since_version = budget, schedule.version
                 state.fresh_since = state.ok_since = state.high_since = state.last_raw = None
-                state.ok_readings = state.high_readings = 0
+                state.ok_readings = state.high_readings = state.readings = 0
 
     def _memory(self) -> BinMemory:
         c = self.config
@@ -93,6 +97,7 @@ class Retuner:
             if p5 is None:
                 continue
             status.estimate = estimate = self._observe(state, p5, status.tokens, snapshot.trainer_steps, now)
+            status.readings, status.noise = state.readings, state.memory.noise
             move = self._decide(state, status, p5, estimate, now)
             if move is not None:
                 desired[i], reasons[i] = move
@@ -155,6 +160,7 @@ class Retuner:
         raw = ("steps", steps) if steps is not None else (p5, tokens)
         if raw != state.last_raw:
             state.last_raw = raw
+            state.readings += 1
             if state.memory.add(Point(state.budget, p5, tokens, now), now, c.prior_slope, c.min_slope):
                 state.ok_since = state.high_since = None
                 state.ok_readings = state.high_readings = 0
@@ -180,16 +186,22 @@ class Retuner:
         curve = state.memory.curve(c.prior_slope, c.min_slope)
         cheapest, _ = curve.cheapest(c.target)
         status.predicted_cheapest = self.grid.up(cheapest)
+        if p5 >= c.tau and estimate < c.target and state.readings < c.raise_min_readings:
+            status.state = "confirming"  # above tau, under the margin: one step's noise, or the bin's level?
+            return None
         if estimate < c.target or p5 < c.tau:
-            below = min(estimate, p5)
+            # Sized by the averaged estimate: one reading under tau raises at once, but by what the
+            # budget's mean says is missing (at least one grid step), not by that reading's own dip.
             if cheapest <= b:  # the pooled fit disagrees with this budget's readings: trust the readings
-                cheapest = b * 2 ** ((c.target - below) / c.prior_slope)
+                cheapest = b * 2 ** ((c.target - estimate) / c.prior_slope)
             new = min(max(cheapest, self.grid.next_above(b)), b * c.max_step_ratio, c.max_budget)
             new = min(self.grid.up(new), c.max_budget)
             if new <= b:
                 status.state = "at_max"
                 return None
-            return new, f"raise: p5 {below:.4f} < target {c.target:.4f}"
+            if estimate < c.target:
+                return new, f"raise: p5 {estimate:.4f} < target {c.target:.4f}"
+            return new, f"raise: p5 {p5:.4f} < tau {c.tau:.4f} (mean {estimate:.4f})"
         held = _held(state.ok_since, state.ok_readings, now, c)
         # A budget seen failing, or holding by less than refine_margin, bounds any lowering from below:
         # noise there would make the bin hop. With one, the cheapest budget is an interpolation.

@@ -1,0 +1,49 @@
+"""A bin's memory: running means per budget, the learned scatter of readings, and when the curve resets."""
+
+import random
+
+from services.controller.curve import Point
+from services.controller.memory import RESET_SIGMAS, BinMemory
+
+
+def add(memory, budget, p5, now, weight=3000.0):
+    return memory.add(Point(budget, p5, weight, now), now, prior_slope=0.06, min_slope=0.01)
+
+
+def test_the_scatter_of_repeated_readings_is_learned():
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    rnd = random.Random(0)
+    add(memory, 256, 0.90, 0)
+    assert memory.noise is None  # nothing to compare the first reading with
+    for t in range(1, 200):
+        assert not add(memory, 256, 0.90 + rnd.gauss(0, 0.02), t)
+    # A reading's deviation from a 4-reading running mean has an RMS of ~0.02 * sqrt(1 + 1/4).
+    assert 0.015 < memory.noise < 0.03
+
+
+def test_a_reading_within_the_learned_scatter_is_averaged_not_a_reset():
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    t = 0
+    for budget, p5 in ((192, 0.89), (256, 0.94)):
+        for dev in (0.03, -0.03, 0.03, -0.03, 0.03, -0.03):
+            t += 1
+            add(memory, budget, p5 + dev, t)
+    assert memory.noise is not None and RESET_SIGMAS * memory.noise > 0.06
+    before = memory.mean(256)
+    # 0.06 under the fit at 192, though read at 256: twice reset_delta, inside the learned scatter.
+    assert not add(memory, 256, 0.83, t + 1)
+    assert {p.budget for p in memory.points} == {192, 256}
+    assert memory.mean(256) < before
+
+
+def test_a_reading_far_beyond_the_scatter_means_the_curve_moved():
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    t = 0
+    for budget, p5 in ((192, 0.89), (256, 0.94)):
+        for dev in (0.002, -0.002, 0.002, -0.002):
+            t += 1
+            add(memory, budget, p5 + dev, t)
+    assert memory.reset_threshold() == 0.03  # the scatter is tiny: reset_delta is the floor
+    assert add(memory, 256, 0.85, t + 1)
+    assert [(p.budget, p.p5) for p in memory.points] == [(256, 0.85)]
+    assert memory.noise is not None  # what was learned of the scatter outlives the curve
