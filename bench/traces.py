@@ -1,16 +1,21 @@
 """Controller traces of several `sparrow up` runs side by side: p5 per bin against tau, budgets, accuracy.
 
-    python -m bench.traces RUN_DIR [RUN_DIR ...] --out traces.png [--bins 1,2,3]
+    python -m bench.traces RUN_DIR [RUN_DIR ...] [--out traces.png] [--bins 1,2,3] [--last 20]
 
 One column per run, read from its `metrics.jsonl` (one row per training step, as `sparrow up`
 writes it): the exact p5 of alpha of each populated bin with tau and the [tau, tau + 0.05] band
 the controller aims for, the budget the schedule gave each bin, and the step's accuracy. A
 `sparrow report RUN_DIR` shows one run; this puts the runs of an experiment on one figure.
+
+It also prints, as JSON, how each run ended: per bin, the last `--last` steps' readings (their
+mean, the share at or above tau and the share inside the band), the final budgets, the schedule
+versions published and the attended-KV fraction over those steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -30,6 +35,30 @@ def load_rows(run_dir: Path) -> list[dict]:
 def populated_bins(rows: list[dict]) -> list[int]:
     """Bins with a p5 reading in any step, in order."""
     return sorted({int(b) for r in rows for b in (r.get("p5") or {})})
+
+
+def summarize(rows: list[dict], last: int = 20, band: float = 0.05, bins: list[int] | None = None) -> dict:
+    """How a run ended: the last `last` steps' p5 readings per bin against tau and [tau, tau + band]."""
+    tail = rows[-last:]
+    tau = rows[-1].get("tau") or 0.86
+    out: dict = {"steps": len(rows), "last_steps": len(tail), "tau": tau, "bins": {}}
+    for b in bins or populated_bins(rows):
+        readings = [v for r in tail if (v := (r.get("p5") or {}).get(str(b))) is not None]
+        if not readings:
+            continue
+        out["bins"][str(b)] = {
+            "readings": len(readings),
+            "mean_p5": round(sum(readings) / len(readings), 4),
+            "min_p5": round(min(readings), 4),
+            "share_at_or_above_tau": round(sum(v >= tau for v in readings) / len(readings), 3),
+            "share_in_band": round(sum(tau <= v <= tau + band for v in readings) / len(readings), 3),
+            "final_budget": (rows[-1].get("schedule_budgets") or [None] * (b + 1))[b],
+        }
+    out["final_budgets"] = rows[-1].get("schedule_budgets")
+    out["schedule_version"] = rows[-1].get("schedule_version")
+    attended = [v for r in tail if (v := r.get("attended_kv_fraction")) is not None]
+    out["attended_kv_fraction"] = round(sum(attended) / len(attended), 4) if attended else None
+    return out
 
 
 def plot(runs: dict[str, list[dict]], out: str | Path, bins: list[int] | None = None) -> None:
@@ -81,8 +110,9 @@ def plot(runs: dict[str, list[dict]], out: str | Path, bins: list[int] | None = 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.traces", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
-    p.add_argument("--out", required=True, help="the figure (PNG)")
+    p.add_argument("--out", default=None, help="the figure (PNG); without it only the JSON summary")
     p.add_argument("--bins", default=None, help="comma-separated bins to show (default: every populated one)")
+    p.add_argument("--last", type=int, default=20, help="steps at the end of each run that the summary covers")
     args = p.parse_args(argv)
     try:
         bins = [int(b) for b in args.bins.split(",")] if args.bins else None
@@ -90,7 +120,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"bench.traces: error: {exc}", file=sys.stderr)
         return 2
-    plot(runs, args.out, bins)
+    if args.last < 1:
+        print(f"bench.traces: error: --last must be at least 1, got {args.last}", file=sys.stderr)
+        return 2
+    print(json.dumps({name: summarize(rows, args.last, bins=bins) for name, rows in runs.items()}, indent=1))
+    if args.out:
+        plot(runs, args.out, bins)
     return 0
 
 
