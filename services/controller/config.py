@@ -37,7 +37,7 @@ class RetuneConfig(ConfigSection):
     raise_min_readings: int = Field(
         2,
         ge=1,
-        description="Readings at a budget whose mean is below target (but each >= tau) before it is raised; below tau: at once.",
+        description="Readings at a budget, each >= tau, with a mean under target before a raise (under tau: at once).",
     )
     average_readings: int = Field(
         4, ge=1, description="Readings at one budget are averaged; the newest keeps at least 1/this of the weight."

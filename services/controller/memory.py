@@ -8,9 +8,11 @@ breaks monotonicity against the fit by more than `reset_delta` wipes what came b
 
 One step's p5 scatters around its budget's mean (a few thousand correlated tokens per reading), so
 the memory also learns that scatter: the spread of each repeated reading around the mean it joins
-(an RMS, exponentially weighted once it has 1/NOISE_WEIGHT deviations). A reading counts as revealing a moved curve only beyond
-`RESET_SIGMAS` of that scatter as well as beyond `reset_delta`; within it, it is noise to be
-averaged, and wiping the memory on it would throw away the curve the averaging has built.
+(an RMS, exponentially weighted once it has 1/NOISE_WEIGHT deviations). A reading counts as
+revealing a moved curve only beyond `RESET_SIGMAS` of that scatter as well as beyond
+`reset_delta`; within it, it is noise to be averaged, and wiping the memory on it would throw away
+the curve the averaging has built. The scatter is a property of the measurement, not of the
+curve, so it outlives a reset.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import math
 from services.controller.curve import Curve, Point
 
 MAX_POINTS = 64  # distinct budgets per bin; the least recently observed go first
-RESET_SIGMAS = 4.0
+RESET_SIGMAS = 4.0  # a reading further than this many scatters from the fit means the curve moved
 NOISE_WEIGHT = 0.05  # least weight of the newest squared deviation in the scatter estimate (plain mean before)
 
 
@@ -45,17 +47,23 @@ class BinMemory:
         noise = self.noise
         return self.reset_delta if noise is None else max(self.reset_delta, RESET_SIGMAS * noise)
 
-    def add(self, point: Point, now: float, prior_slope: float, min_slope: float) -> bool:
-        """Take one reading; returns True when it revealed that the curve moved (older points dropped)."""
+    def add(self, point: Point, now: float, prior_slope: float, min_slope: float, probe: bool = False) -> bool:
+        """Take one reading; returns True when it revealed that the curve moved (older points dropped).
+
+        A probe's reading (a share of the sequences, at a budget the bin does not run) only joins the
+        fit, however far from it it lies, and says nothing of the scatter of the bin's own readings.
+        """
         kept = [p for p in self.points if now - p.time <= self.memory_s]
         same = next((p for p in kept if p.budget == point.budget), None)
         threshold = self.reset_threshold()
-        if same is not None:  # learned before the reset test, or a scatter beyond reset_delta is never learned
+        if (
+            same is not None and not probe
+        ):  # learned before the reset test, or a scatter beyond reset_delta is never learned
             self._noise_n += 1
             w = max(NOISE_WEIGHT, 1 / self._noise_n)
             self._noise_var = (1 - w) * (self._noise_var or 0.0) + w * (point.p5 - same.p5) ** 2
         reset = False
-        if kept:
+        if kept and not probe:
             fitted = Curve.from_points(kept, prior_slope, min_slope).points
             x, d = math.log2(point.budget), threshold
             if any((px <= x and py > point.p5 + d) or (px >= x and py < point.p5 - d) for px, py in fitted):

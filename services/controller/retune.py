@@ -179,7 +179,10 @@ class Retuner:
         key = ("steps", steps) if steps is not None else raw
         if key != state.last_probe:
             state.last_probe = key
-            state.memory.add(Point(*raw, now), now, c.prior_slope, c.min_slope)
+            # A probe covers a share of the sequences at a budget the bin does not run: its reading
+            # joins the fit but never wipes what the bin's own readings built (one lucky probe at a
+            # budget seen failing would otherwise stand alone as "seen holding").
+            state.memory.add(Point(*raw, now), now, c.prior_slope, c.min_slope, probe=True)
 
     def _decide(self, state: _Bin, status: BinStatus, p5: float, estimate: float, now: float) -> tuple[int, str] | None:
         c, b = self.config, state.budget

@@ -168,7 +168,9 @@ def resolve(
             ControllerConfig,
             "controller",
             {
-                "interval_s": 5.0,
+                # The trainer's p5 gauge holds only the last step's reading and steps here take seconds:
+                # a tick per second (Prometheus scrapes every second) sees each step, a 5 s tick missed half.
+                "interval_s": 1.0,
                 # Budgets of the own small models are tens of tokens: a fine grid and few tokens per reading.
                 # Steps of a few seconds: hold a lowering for several steps, not the service's 2 minutes.
                 "retune": {

@@ -47,3 +47,16 @@ def test_a_reading_far_beyond_the_scatter_means_the_curve_moved():
     assert add(memory, 256, 0.85, t + 1)
     assert [(p.budget, p.p5) for p in memory.points] == [(256, 0.85)]
     assert memory.noise is not None  # what was learned of the scatter outlives the curve
+
+
+def test_a_probe_reading_never_wipes_the_memory():
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    for t, (budget, p5) in enumerate(((256, 1.0), (256, 1.0), (128, 0.0), (128, 0.0)), start=1):
+        add(memory, budget, p5, t)
+    # A probe at 128 reads 1.0 after two readings of 0.0 there: pooled into 128's mean, nothing dropped,
+    # and the scatter stays the bin's own (none: its readings repeated exactly).
+    assert not memory.add(Point(128, 1.0, 3000.0, 5), 5, prior_slope=0.06, min_slope=0.01, probe=True)
+    assert {p.budget for p in memory.points} == {128, 256} and memory.mean(128) < 0.5
+    assert memory.noise == 0.0
+    # The same reading as the bin's own is taken to mean that the curve moved.
+    assert add(memory, 128, 1.0, 6) and [p.budget for p in memory.points] == [128]
