@@ -65,6 +65,10 @@ class StatusOut(BaseModel):
     )
     ticks: int
     last_tick: float | None
+    trainer_steps: int | None = Field(None, description="The trainer's step counter at the last tick.")
+    trainer_steps_unseen: int = Field(
+        0, description="Trainer steps that ended between two ticks: their readings were never read."
+    )
 
 
 class OverrideIn(BaseModel):

@@ -55,6 +55,9 @@ class ControlLoop:
         self.probe: dict[str, Any] | None = None  # the last probe request written (None: none)
         self.ticks = 0
         self.last_tick: float | None = None
+        # The trainer's p5 gauges hold only its last step: steps that end between two ticks go unseen.
+        self.trainer_steps: int | None = None
+        self.steps_unseen = 0
         self._lock = asyncio.Lock()
         self._logged_blind: bool | None = None
 
@@ -82,6 +85,7 @@ class ControlLoop:
             try:
                 snapshot = await self.source.read(now)
                 self.trainer_version = snapshot.trainer_version
+                self._count_steps(snapshot.trainer_steps)
                 self.blind, self.blind_reason = not snapshot.bins, None
                 if not snapshot.bins:
                     self.blind_reason = "no fresh trainer metrics in Prometheus"
@@ -109,6 +113,22 @@ class ControlLoop:
             if self.config.probe.enabled and outcome == "ok":
                 await self._probe()
             self.metrics.ticks.labels(outcome=outcome).inc()
+
+    def _count_steps(self, steps: int | None) -> None:
+        """Count trainer steps whose readings no tick saw (the step counter jumped by more than one)."""
+        last, self.trainer_steps = self.trainer_steps, steps if steps is not None else self.trainer_steps
+        if steps is None or last is None or steps <= last + 1:  # a restarted trainer counts from 0 again
+            return
+        unseen = steps - last - 1
+        if self.steps_unseen == 0:  # once: it is a property of the deployment, not of one tick
+            log.warning(
+                "%d trainer step(s) ended between two ticks and their readings went unseen; "
+                "an interval_s (%.1f s) shorter than a training step avoids it",
+                unseen,
+                self.config.interval_s,
+            )
+        self.steps_unseen += unseen
+        self.metrics.steps_unseen.inc(unseen)
 
     async def _current(self) -> Schedule | None:
         """The schedule in Redis, publishing the initial one if Redis has none; None when Redis fails us."""
@@ -233,4 +253,6 @@ class ControlLoop:
             "probe": self.probe,
             "ticks": self.ticks,
             "last_tick": self.last_tick,
+            "trainer_steps": self.trainer_steps,
+            "trainer_steps_unseen": self.steps_unseen,
         }

@@ -38,6 +38,11 @@ class ControllerMetrics:
             "sparrow_controller_decisions", "Budget changes per bin, by reason.", ["reason"], registry=r
         )
         self.ticks = Counter("sparrow_controller_ticks", "Control ticks by outcome.", ["outcome"], registry=r)
+        self.steps_unseen = Counter(
+            "sparrow_controller_trainer_steps_unseen",
+            "Trainer steps that ended between two ticks: their p5 readings were never read.",
+            registry=r,
+        )
         for reason in DECISION_REASONS:
             self.decisions.labels(reason=reason)
         for outcome in TICK_OUTCOMES:

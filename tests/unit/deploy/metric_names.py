@@ -54,6 +54,7 @@ CONTROLLER_METRICS = (
     "sparrow_controller_paused",
     "sparrow_controller_decisions_total",
     "sparrow_controller_ticks_total",
+    "sparrow_controller_trainer_steps_unseen_total",
 )
 
 
