@@ -51,7 +51,8 @@ class BinMemory:
         """Take one reading; returns True when it revealed that the curve moved (older points dropped).
 
         A probe's reading (a share of the sequences, at a budget the bin does not run) only joins the
-        fit, however far from it it lies, and says nothing of the scatter of the bin's own readings.
+        fit at its own budget, however far from it it lies: it neither wipes nor shifts the other
+        points, and says nothing of the scatter of the bin's own readings.
         """
         kept = [p for p in self.points if now - p.time <= self.memory_s]
         same = next((p for p in kept if p.budget == point.budget), None)
@@ -71,7 +72,7 @@ class BinMemory:
         if same is not None:
             old_weight = min(same.weight, (self.average_readings - 1) * point.weight)
             mean = (same.p5 * old_weight + point.p5 * point.weight) / (old_weight + point.weight)
-            shift = mean - same.p5
+            shift = 0.0 if probe else mean - same.p5  # a probe's few sequences do not move the curve
             kept = [Point(p.budget, p.p5 + shift, p.weight, p.time) for p in kept if p is not same]
             point = Point(point.budget, mean, old_weight + point.weight, point.time)
         self.points = sorted(kept + [point], key=lambda p: p.time)[-MAX_POINTS:]

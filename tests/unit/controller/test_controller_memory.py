@@ -58,5 +58,6 @@ def test_a_probe_reading_never_wipes_the_memory():
     assert not memory.add(Point(128, 1.0, 3000.0, 5), 5, prior_slope=0.06, min_slope=0.01, probe=True)
     assert {p.budget for p in memory.points} == {128, 256} and memory.mean(128) < 0.5
     assert memory.noise == 0.0
+    assert memory.mean(256) == 1.0  # and the bin's own budget did not move with the probe's mean
     # The same reading as the bin's own is taken to mean that the curve moved.
     assert add(memory, 128, 1.0, 6) and [p.budget for p in memory.points] == [128]
