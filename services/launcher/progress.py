@@ -115,7 +115,7 @@ class LiveProgress:
         if self.live is not None:
             self.live.update(self._render())
         else:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)  # a pipe gets whole lines
 
     def step(self, row: dict) -> None:
         self.last = row
@@ -123,13 +123,13 @@ class LiveProgress:
             self.live.update(self._render())
         else:
             for line in step_lines(row, self.steps):
-                self.console.print(line, highlight=False)
+                self.console.print(line, highlight=False, soft_wrap=True)
             self.console.print(p5_table(row))
 
     def finished(self, summary: dict) -> None:
         self.close()
         for line in summary_lines(summary):
-            self.console.print(line, highlight=False)
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self.live is not None:

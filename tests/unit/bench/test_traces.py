@@ -8,7 +8,8 @@ from bench import traces
 def write_run(path, p5s, budgets):
     path.mkdir()
     rows = [
-        {"step": i + 1, "tau": 0.86, "p5": p5, "schedule_budgets": b, "schedule_version": i + 1, "attended_kv_fraction": 0.5}
+        {"step": i + 1, "tau": 0.86, "p5": p5, "schedule_budgets": b, "schedule_version": i + 1}
+        | {"attended_kv_fraction": 0.5}
         for i, (p5, b) in enumerate(zip(p5s, budgets, strict=True))
     ]
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

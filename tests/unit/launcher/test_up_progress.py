@@ -54,7 +54,8 @@ def test_json_mode_prints_one_object_per_line_and_nothing_else():
 
 def test_plain_output_shows_the_step_its_bins_against_tau_and_the_summary():
     out = io.StringIO()
-    progress = LiveProgress(10, "runs/x", Console(file=out, width=160, force_terminal=False, color_system=None))
+    # A pipe's console is 80 columns wide or less: the lines must still come out whole, not wrapped.
+    progress = LiveProgress(10, "runs/x", Console(file=out, width=60, force_terminal=False, color_system=None))
     progress.event("every service is healthy; training")
     progress.step(ROW)
     progress.finished(SUMMARY)
