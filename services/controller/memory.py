@@ -57,9 +57,8 @@ class BinMemory:
         kept = [p for p in self.points if now - p.time <= self.memory_s]
         same = next((p for p in kept if p.budget == point.budget), None)
         threshold = self.reset_threshold()
-        if (
-            same is not None and not probe
-        ):  # learned before the reset test, or a scatter beyond reset_delta is never learned
+        # The scatter is learned before the reset test: otherwise one wider than reset_delta is never learned.
+        if same is not None and not probe:
             self._noise_n += 1
             w = max(NOISE_WEIGHT, 1 / self._noise_n)
             self._noise_var = (1 - w) * (self._noise_var or 0.0) + w * (point.p5 - same.p5) ** 2

@@ -180,8 +180,9 @@ class Retuner:
         if key != state.last_probe:
             state.last_probe = key
             # A probe covers a share of the sequences at a budget the bin does not run: its reading
-            # joins the fit but never wipes what the bin's own readings built (one lucky probe at a
-            # budget seen failing would otherwise stand alone as "seen holding").
+            # joins the fit at that budget but neither wipes nor shifts what the bin's own readings
+            # built (one lucky probe at a budget seen failing would otherwise stand alone as "seen
+            # holding", and one unlucky one would drag the bin's own mean down and raise it).
             state.memory.add(Point(*raw, now), now, c.prior_slope, c.min_slope, probe=True)
 
     def _decide(self, state: _Bin, status: BinStatus, p5: float, estimate: float, now: float) -> tuple[int, str] | None:

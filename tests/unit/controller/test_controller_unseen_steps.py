@@ -9,7 +9,9 @@ from sparrow.schedule import Schedule
 
 
 def loop():
-    return ControlLoop(ControllerConfig(), publisher=None, source=None, initial=Schedule(budgets=(512,)), speedup_of=lambda s: 1.0)
+    return ControlLoop(
+        ControllerConfig(), publisher=None, source=None, initial=Schedule(budgets=(512,)), speedup_of=lambda s: 1.0
+    )
 
 
 def test_steps_between_two_ticks_are_counted_logged_once_and_exported(caplog):
