@@ -37,6 +37,12 @@ def populated_bins(rows: list[dict]) -> list[int]:
     return sorted({int(b) for r in rows for b in (r.get("p5") or {})})
 
 
+def budget_of(row: dict, b: int) -> int | None:
+    """The budget the row's schedule gave bin `b` (None when the row has no schedule)."""
+    budgets = row.get("schedule_budgets")
+    return budgets[b] if budgets else None
+
+
 def summarize(rows: list[dict], last: int = 20, band: float = 0.05, bins: list[int] | None = None) -> dict:
     """How a run ended: the last `last` steps' p5 readings per bin against tau and [tau, tau + band]."""
     tail = rows[-last:]
@@ -52,7 +58,7 @@ def summarize(rows: list[dict], last: int = 20, band: float = 0.05, bins: list[i
             "min_p5": round(min(readings), 4),
             "share_at_or_above_tau": round(sum(v >= tau for v in readings) / len(readings), 3),
             "share_in_band": round(sum(tau <= v <= tau + band for v in readings) / len(readings), 3),
-            "final_budget": (rows[-1].get("schedule_budgets") or [None] * (b + 1))[b],
+            "final_budget": budget_of(rows[-1], b),
         }
     out["final_budgets"] = rows[-1].get("schedule_budgets")
     out["schedule_version"] = rows[-1].get("schedule_version")
@@ -86,7 +92,7 @@ def plot(runs: dict[str, list[dict]], out: str | Path, bins: list[int] | None = 
         for b in shown:
             ax.step(
                 steps,
-                [(r.get("schedule_budgets") or [None] * (b + 1))[b] for r in rows],
+                [budget_of(r, b) for r in rows],
                 where="post",
                 label=f"bin {b}",
             )

@@ -116,8 +116,10 @@ class ControlLoop:
 
     def _count_steps(self, steps: int | None) -> None:
         """Count trainer steps whose readings no tick saw (the step counter jumped by more than one)."""
-        last, self.trainer_steps = self.trainer_steps, steps if steps is not None else self.trainer_steps
-        if steps is None or last is None or steps <= last + 1:  # a restarted trainer counts from 0 again
+        if steps is None:  # the counter was not readable: nothing to compare
+            return
+        last, self.trainer_steps = self.trainer_steps, steps
+        if last is None or steps <= last + 1:  # a restarted trainer counts from 0 again
             return
         unseen = steps - last - 1
         if self.steps_unseen == 0:  # once: it is a property of the deployment, not of one tick
