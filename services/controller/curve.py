@@ -15,12 +15,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Point:
-    """One observation: p5 read at `budget`, over `weight` tokens, at time `time` (seconds)."""
+    """One observation: p5 read at `budget`, over `weight` tokens, at time `time` (seconds).
+
+    `readings` counts the readings merged into it (the memory averages repeated readings at a budget).
+    """
 
     budget: int
     p5: float
     weight: float
     time: float
+    readings: int = 1
 
 
 def isotonic_fit(points: list[tuple[float, float, float]]) -> list[tuple[float, float]]:
@@ -127,10 +131,10 @@ class Curve:
         """The smallest observed budget whose fitted p5 holds `target` (None when none does)."""
         return next((b for b, (_, y) in zip(self.budgets, self.points, strict=True) if y >= target), None)
 
-    def highest_below(self, budget: float, threshold: float) -> float | None:
-        """The largest observed budget under `budget` whose fitted p5 is below `threshold` (None: none)."""
-        under = [b for b, (_, y) in zip(self.budgets, self.points, strict=True) if b < budget and y < threshold]
-        return max(under, default=None)
+    def failing_below(self, budget: float, threshold: float) -> list[tuple[float, float]]:
+        """(budget, fitted p5) of observed budgets under `budget` with fitted p5 below `threshold`, highest first."""
+        pairs = zip(self.budgets, self.points, strict=True)
+        return sorted(((b, y) for b, (_, y) in pairs if b < budget and y < threshold), reverse=True)
 
     def has_point_below(self, budget: float, target: float) -> bool:
         """True when a fitted point under `target` lies at a budget below `budget`."""

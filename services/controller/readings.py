@@ -38,7 +38,7 @@ class Decision:
     bin: int
     old: int
     new: int
-    reason: str  # raise | lower | refine | repair
+    reason: str  # raise | lower | refine | retry | repair
     p5: float | None
     detail: str
 

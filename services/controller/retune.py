@@ -4,17 +4,20 @@ Each tick, for every bin whose reading was produced under its current budget (fr
 `min_tokens` tokens, the reading joins the bin's memory and the bin's estimate is the running mean
 at its budget. Then:
 - raise when the estimate is below target (tau + margin) over `raise_min_readings` readings at
-  this budget, or at once when a single reading is below tau: to the cheapest budget the fitted
-  curve predicts to hold the target (at least one grid step more, at most `max_step_ratio` times).
-  The size comes from the averaged estimate, not from the one reading: one step's p5 scatters by
-  a few hundredths, and sizing by a dip (or raising on a single reading inside the margin) ratchets
+  this budget, or at once when a single reading is below tau (unless the bin's learned scatter
+  explains that one dip: see `DIP_SIGMAS`): to the cheapest budget the fitted curve predicts to
+  hold the target (at least one grid step more, at most `max_step_ratio` times). The size comes
+  from the averaged estimate, not from the one reading: one step's p5 scatters by a few
+  hundredths, and sizing by a dip (or raising on a single reading inside the margin) ratchets
   budgets upwards, a grid step at a time, until every bin sits well above the band;
 - lower after the estimate stayed at or above target for `lower_hold_s` (and `lower_min_readings`
   readings): to the predicted cheapest budget when a lower budget was seen below target +
   `refine_margin` (the target is bracketed: an interpolation, and never onto or under that budget),
   or to a lower budget a probe saw holding; without such evidence only when the estimate stayed
   above target + hysteresis (an extrapolation). "lower" or "refine" says which side of
-  target + hysteresis the estimate was on;
+  target + hysteresis the estimate was on. A lower budget whose shortfall is within
+  `DOUBT_SIGMAS` standard errors of its few readings is no such bound: the bin goes back to it
+  ("retry"), and the readings of each try narrow the verdict until it is clear;
 - repair: later bins are raised to keep the schedule non-decreasing. Budgets the controller sets are
   on the budget grid (see grid.py) within [min_budget, max_budget].
 """
@@ -24,10 +27,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.controller.config import RetuneConfig
-from services.controller.curve import Point
+from services.controller.curve import Curve, Point
 from services.controller.memory import BinMemory
 from services.controller.readings import BinReading, BinStatus, Decision, Proposal, Snapshot
 from sparrow.schedule import Schedule
+
+# A budget whose readings' mean falls short of the target by less than this many standard errors
+# (scatter / sqrt(readings)) is tried again rather than taken as failing for good.
+DOUBT_SIGMAS = 1.0
+# A reading under tau that lies less than this many scatters under its budget's mean (which holds
+# the target) is noise, not an alarm.
+DIP_SIGMAS = 2.0
 
 __all__ = ["BinReading", "BinStatus", "Decision", "Proposal", "Retuner", "Snapshot"]
 
@@ -45,6 +55,8 @@ class _Bin:
     readings: int = 0  # distinct fresh readings since this budget was set
     last_raw: tuple | None = None
     last_probe: tuple | None = None
+    p5_before: float | None = None  # the reading before the latest one at this budget
+    p5_latest: float | None = None
 
 
 class Retuner:
@@ -72,6 +84,7 @@ class Retuner:
             if budget != state.budget:
                 state.budget, state.since_version = budget, schedule.version
                 state.fresh_since = state.ok_since = state.high_since = state.last_raw = None
+                state.p5_before = state.p5_latest = None
                 state.ok_readings = state.high_readings = state.readings = 0
 
     def _memory(self) -> BinMemory:
@@ -161,6 +174,7 @@ class Retuner:
         if raw != state.last_raw:
             state.last_raw = raw
             state.readings += 1
+            state.p5_before, state.p5_latest = state.p5_latest, p5
             if state.memory.add(Point(state.budget, p5, tokens, now), now, c.prior_slope, c.min_slope):
                 state.ok_since = state.high_since = None
                 state.ok_readings = state.high_readings = 0
@@ -190,10 +204,19 @@ class Retuner:
         curve = state.memory.curve(c.prior_slope, c.min_slope)
         cheapest, _ = curve.cheapest(c.target)
         status.predicted_cheapest = self.grid.up(cheapest)
-        if p5 >= c.tau and estimate < c.target and state.readings < c.raise_min_readings:
-            status.state = "confirming"  # above tau, under the margin: one step's noise, or the bin's level?
+        # A reading under tau raises at once, unless the bin's own scatter explains it: one dip of less
+        # than DIP_SIGMAS scatters under the bin's mean, which still holds the target, is one step's
+        # noise (at a scatter of 0.03 a bin whose level is 0.90 reads under 0.86 one step in eleven).
+        # Two readings under tau in a row are not (one in 120 there), and are what a curve drifting
+        # down looks like before the mean has followed it.
+        noise = state.memory.noise
+        again = state.p5_before is not None and state.p5_before < c.tau
+        explained = noise is not None and estimate >= c.target and estimate - p5 <= DIP_SIGMAS * noise
+        alarm = p5 < c.tau and (again or not explained)
+        if not alarm and estimate < c.target and state.readings < c.raise_min_readings:
+            status.state = "confirming"  # under the margin: one step's noise, or the bin's level?
             return None
-        if estimate < c.target or p5 < c.tau:
+        if estimate < c.target or alarm:
             # Sized by the averaged estimate: one reading under tau raises at once, but by what the
             # budget's mean says is missing (at least one grid step), not by that reading's own dip.
             if cheapest <= b:  # the pooled fit disagrees with this budget's readings: trust the readings
@@ -208,10 +231,16 @@ class Retuner:
             return new, f"raise: p5 {p5:.4f} < tau {c.tau:.4f} (mean {estimate:.4f})"
         held = _held(state.ok_since, state.ok_readings, now, c)
         # A budget seen failing, or holding by less than refine_margin, bounds any lowering from below:
-        # noise there would make the bin hop. With one, the cheapest budget is an interpolation.
-        marginal = curve.highest_below(b, c.target + c.refine_margin)
+        # noise there would make the bin hop. With one, the cheapest budget is an interpolation. One
+        # whose shortfall is within the scatter of its few readings is no bound: it is tried again.
+        marginal, doubtful = _failing(state.memory, curve, b, c.target + c.refine_margin)
         observed = curve.lowest_holding(c.target + c.refine_margin)
-        if held and marginal is not None:
+        if held and doubtful is not None:
+            cheapest = doubtful
+            se = state.memory.standard_error(doubtful)
+            mean = state.memory.mean(doubtful)
+            how = f"retry {doubtful} (mean {mean:.4f}, within {DOUBT_SIGMAS:g} x {se:.4f} of target + refine_margin)"
+        elif held and marginal is not None:
             how = f"fit {cheapest:.0f}, kept above {marginal} (seen under target + refine_margin)"
         elif held and observed is not None and observed < b:
             cheapest, how = observed, f"{observed} seen holding"
@@ -224,8 +253,27 @@ class Retuner:
             new = max(new, self.grid.next_above(marginal))
         if new >= b:
             return None
+        if held and doubtful is not None:
+            return new, f"retry: p5 {estimate:.4f} >= target {c.target:.4f}, {how}"
         reason = "lower" if estimate > c.target + c.hysteresis else "refine"
         return new, f"{reason}: p5 {estimate:.4f} >= target {c.target:.4f}, cheapest {how}"
+
+
+def _failing(memory: BinMemory, curve: Curve, budget: int, threshold: float) -> tuple[int | None, int | None]:
+    """Budgets under `budget` whose fitted p5 is below `threshold`: (the highest beyond doubt, a doubtful one above it).
+
+    A failure is beyond doubt when the fitted p5 plus DOUBT_SIGMAS standard errors of the budget's
+    mean is still under `threshold` (or no scatter is known yet). The doubtful one returned is the
+    highest budget above that bound whose shortfall is within its standard errors.
+    """
+    doubtful = None
+    for b, y in curve.failing_below(budget, threshold):
+        se = memory.standard_error(int(b))
+        if se is None or y + DOUBT_SIGMAS * se < threshold:
+            return int(b), doubtful
+        if doubtful is None:
+            doubtful = int(b)
+    return None, doubtful
 
 
 def _hold(since: float | None, count: int, condition: bool, now: float) -> tuple[float | None, int]:

@@ -64,10 +64,10 @@ def test_flat_data_extrapolates_with_the_prior_and_never_divides_by_zero():
     assert math.isfinite(budget) and budget > 2048
 
 
-def test_lowest_holding_and_highest_below():
+def test_lowest_holding_and_failing_below():
     c = _curve([(1024, 0.85), (2048, 0.881), (4096, 0.90)])
     assert c.lowest_holding(0.88) == 2048
     assert c.lowest_holding(0.885) == 4096
-    assert c.highest_below(4096, 0.885) == 2048
-    assert c.highest_below(1024, 0.885) is None
+    assert c.failing_below(4096, 0.885) == [(2048, 0.881), (1024, 0.85)]
+    assert c.failing_below(1024, 0.885) == []
     assert c.has_point_below(4096, 0.86) and not c.has_point_below(1024, 0.86)

@@ -251,33 +251,60 @@ def steep(bstar, target=0.88, k=1.2):
     return lambda b: 1 - (1 - target) * (bstar / b) ** k
 
 
+def noisy_run(config, curves, start, sd, steps, seed, drift=lambda step: 0.0):
+    """One trainer step per 5 s tick, each reading the true p5 (curve + drift) plus Gaussian noise; the true p5s."""
+    rnd = random.Random(seed)
+    r = Retuner(config, window_s=30)
+    schedule = Schedule(budgets=(start,) * len(curves), bin_width=128)
+    true = []
+    for step in range(1, steps + 1):
+        true.append([f(b) + drift(step) for f, b in zip(curves, schedule.budgets, strict=True)])
+        bins = {i: reading(p + rnd.gauss(0, sd), 3000) for i, p in enumerate(true[-1])}
+        proposal = r.step(schedule, Snapshot(schedule.version, bins, trainer_steps=step), now=5.0 * step)
+        if proposal.changed:
+            schedule = schedule.with_budgets(proposal.budgets)
+    return true
+
+
+def share(rows, i, low, high=1.0):
+    return sum(low <= row[i] <= high for row in rows) / len(rows)
+
+
+GRADED = [steep(150), steep(180), steep(230)]
+
+
+@pytest.mark.parametrize(
+    ("sd", "steps", "per_bin", "overall"),
+    [(0.02, 60, 0.8, 0.85), (0.03, 120, 0.45, 0.6)],
+    ids=["scatter-0.02-60-steps", "scatter-0.03-120-steps"],
+)
 @pytest.mark.parametrize("start", [48, 512], ids=["too-aggressive", "too-lenient"])
-def test_noisy_readings_settle_inside_the_band_without_ratcheting_up(start):
+def test_noisy_readings_settle_inside_the_band_without_ratcheting_up(start, sd, steps, per_bin, overall):
     # One step's p5 scatters by ~0.02 around the bin's true p5 (as measured in the cluster on the graded
-    # bench model). Budgets must settle where the TRUE p5 lies in [tau, tau + 0.05], not creep upwards a
-    # grid step per unlucky reading. Before the controller averaged its raise evidence and learned the
-    # scatter, the share of last-20-step true p5 inside the band was 0.17-0.36 per bin here.
+    # bench model; 0.03 with fewer tokens per step). Budgets must settle where the TRUE p5 lies in
+    # [tau, tau + 0.05], not creep upwards a grid step per unlucky reading. Shares of the last 20 steps'
+    # true p5 inside the band, mean over 10 seeds: the first controller (one reading decides) had
+    # 0.17-0.36 per bin at 0.02; the one averaging its raise evidence 0.76-0.93 at 0.02 and 0.26-0.48 at
+    # 0.03 over 120 steps, where it still ratcheted: each failing budget was a bound for good, each dip
+    # under tau raised, and every revisit's correction of a budget's own mean shifted all the others.
     config = RetuneConfig(budget_quantum=16, min_budget=48, max_budget=4096, lower_hold_s=30)
-    curves = [steep(150), steep(180), steep(230)]
-    in_band, above_tau = [[] for _ in curves], [[] for _ in curves]
-    for seed in range(10):
-        rnd = random.Random(seed)
-        r = Retuner(config, window_s=30)
-        schedule = Schedule(budgets=(start,) * 3, bin_width=128)
-        true = []
-        for step in range(1, 61):  # one trainer step per 5 s tick
-            true.append([f(b) for f, b in zip(curves, schedule.budgets, strict=True)])
-            bins = {i: reading(p + rnd.gauss(0, 0.02), 3000) for i, p in enumerate(true[-1])}
-            proposal = r.step(schedule, Snapshot(schedule.version, bins, trainer_steps=step), now=5.0 * step)
-            if proposal.changed:
-                schedule = schedule.with_budgets(proposal.budgets)
-        for i in range(len(curves)):
-            last = [row[i] for row in true[-20:]]
-            in_band[i].append(sum(config.tau <= p <= config.tau + 0.05 for p in last) / 20)
-            above_tau[i].append(sum(p >= config.tau for p in last) / 20)
-    for i in range(len(curves)):
-        assert min(above_tau[i]) >= 0.95, (i, above_tau[i])
-        assert sum(in_band[i]) / len(in_band[i]) >= 0.6, (i, in_band[i])
+    runs = [noisy_run(config, GRADED, start, sd, steps, seed)[-20:] for seed in range(10)]
+    in_band = [sum(share(rows, i, config.tau, config.tau + 0.05) for rows in runs) / len(runs) for i in range(3)]
+    for i in range(3):
+        assert min(share(rows, i, config.tau) for rows in runs) >= 0.95, i
+    assert min(in_band) >= per_bin and sum(in_band) / 3 >= overall, in_band
+
+
+def test_a_curve_drifting_down_is_followed_with_few_steps_under_tau():
+    # Settled near the band, every bin's curve then falls by 0.09 over 30 steps (4.5 scatters of 0.02):
+    # headroom is the margin only, so the controller has to see the drift through the noise and raise.
+    config = RetuneConfig(budget_quantum=16, min_budget=48, max_budget=4096, lower_hold_s=30)
+    drift = lambda step: -0.003 * min(max(step - 40, 0), 30)  # noqa: E731
+    runs = [noisy_run(config, GRADED, 256, 0.02, 120, seed, drift) for seed in range(10)]
+    for i in range(3):
+        during = [share(rows[40:80], i, config.tau) for rows in runs]
+        assert sum(during) / len(during) >= 0.95 and min(during) >= 0.85, (i, during)
+        assert min(share(rows[-20:], i, config.tau, config.tau + 0.05) for rows in runs) >= 0.9, i
 
 
 def test_a_reading_inside_the_margin_is_confirmed_before_it_raises():
@@ -294,14 +321,74 @@ def test_a_reading_inside_the_margin_is_confirmed_before_it_raises():
     assert second.changed and second.decisions[0].reason == "raise" and "< target" in second.decisions[0].detail
 
 
-def test_a_dip_under_tau_raises_at_once_but_by_what_the_mean_says_is_missing():
-    config = RetuneConfig(budget_quantum=16, min_budget=48)
+def settled_at_192(config):
+    """A bin read eight times at 192 (mean 0.895, scatter ~0.02-0.03), no change proposed."""
     r = Retuner(config, window_s=5)
     schedule = Schedule(budgets=(192,), bin_width=128)
     for step, p5 in enumerate([0.92, 0.88, 0.91, 0.87, 0.92, 0.88, 0.91, 0.89], start=1):
         assert not r.step(schedule, Snapshot(1, {0: reading(p5)}, trainer_steps=step), now=step).changed
-    # One step reads 0.845, well inside the scatter of 0.02-0.03 the bin's readings have shown.
-    proposal = r.step(schedule, Snapshot(1, {0: reading(0.845)}, trainer_steps=9), now=9)
-    # Sized by the dip (0.845: 0.035 under target at 0.06 per doubling) this would be 192 -> 288.
-    assert proposal.budgets == (config.grid.next_above(192),)
-    assert "< tau" in proposal.decisions[0].detail
+    return r, schedule
+
+
+def test_a_dip_under_tau_that_the_scatter_explains_waits_for_a_second_one():
+    config = RetuneConfig(budget_quantum=16, min_budget=48)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(192,), bin_width=128)
+    for step, p5 in enumerate([0.96, 0.90] * 4, start=1):  # mean 0.93, scatter ~0.03
+        assert not r.step(schedule, Snapshot(1, {0: reading(p5)}, trainer_steps=step), now=step).changed
+    # 0.855: under tau, but within two scatters of a mean that still holds the target after it.
+    dip = r.step(schedule, Snapshot(1, {0: reading(0.855)}, trainer_steps=9), now=9)
+    assert not dip.changed and dip.bins[0].estimate >= config.target
+    # A second reading under tau in a row is no longer one step's noise, though the mean still holds.
+    again = r.step(schedule, Snapshot(1, {0: reading(0.855)}, trainer_steps=10), now=10)
+    assert again.bins[0].estimate >= config.target
+    assert again.changed and again.budgets[0] > 192 and "< tau" in again.decisions[0].detail
+    # The first controller raised on the first one.
+    r, schedule = Retuner(config, window_s=5), Schedule(budgets=(192,), bin_width=128)
+    assert r.step(schedule, Snapshot(1, {0: reading(0.855)}, trainer_steps=1), now=1).changed  # no scatter known
+
+
+def test_a_deep_dip_raises_at_once_but_by_what_the_mean_says_is_missing():
+    config = RetuneConfig(budget_quantum=16, min_budget=48)
+    r, schedule = settled_at_192(config)
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.80)}, trainer_steps=9), now=9)
+    # The mean with the dip is 0.871, 0.009 under target: 192 x 2^(0.009 / 0.06) -> the grid's 224.
+    # Sized by the dip itself (0.08 under target at 0.06 per doubling) it would be the 2x bound, 384.
+    assert proposal.changed and proposal.decisions[0].reason == "raise"
+    assert proposal.budgets[0] in (config.grid.next_above(192), config.grid.next_above(208))
+
+
+def test_a_budget_that_failed_within_its_noise_is_tried_again_and_one_that_failed_clearly_is_not():
+    config = RetuneConfig(budget_quantum=16, min_budget=48, lower_hold_s=10)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(192,), bin_width=128)
+    now, step = 0.0, 0
+
+    def read(p5):
+        nonlocal now, step, schedule
+        now, step = now + 1, step + 1
+        proposal = r.step(schedule, Snapshot(schedule.version, {0: reading(p5)}, trainer_steps=step), now=now)
+        if proposal.changed:
+            schedule = schedule.with_budgets(proposal.budgets)
+        return proposal
+
+    # 192 read twice, mean 0.870: under the target, but by less than one standard error of two readings.
+    read(0.88)
+    assert read(0.86).budgets[0] > 192
+    # The raised budget holds with a scatter of ~0.02 (so 192's standard error is ~0.02 / sqrt(2) = 0.014).
+    retried = None
+    for p5 in [0.91, 0.87, 0.92, 0.88, 0.91, 0.89, 0.92, 0.88, 0.91, 0.89, 0.92, 0.88]:
+        proposal = read(p5)
+        if proposal.changed:
+            retried = proposal
+            break
+    assert retried is not None and retried.budgets == (192,), "192 was never tried again"
+    assert retried.decisions[0].reason == "retry" and "retry 192" in retried.decisions[0].detail
+    # This time 192 reads clearly under target, again and again: a bound for good, never tried again
+    # (budgets above it may be: they have their own few readings).
+    for p5 in [0.85, 0.862, 0.864, 0.866]:
+        read(p5)
+    assert schedule.budgets[0] > 192
+    for p5 in [0.92, 0.90, 0.93, 0.91] * 5:
+        read(p5)
+        assert schedule.budgets[0] > 192
