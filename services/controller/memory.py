@@ -4,7 +4,7 @@ Readings at one budget are averaged (the newest keeps at least 1/`average_readin
 which smooths the noise of a per-step p5. The policy and the adapter drift, so the memory follows:
 when the current budget's mean moves, every other budget's point moves by as much (the curve is
 assumed to shift as a whole), and a reading that breaks monotonicity against the fit by more than
-`reset_delta` wipes what came before it. The first readings after the bin comes to a budget mostly
+`reset_delta`, twice in a row, wipes what came before it. The first readings after the bin comes to a budget mostly
 correct that budget's own old estimate (one reading, or a mean shifted while the bin was
 elsewhere), so they pass on only a part of their move, growing with the readings of this visit to
 the whole after `average_readings`. Passed on whole, those corrections hand every budget's
@@ -43,6 +43,7 @@ class BinMemory:
         self._noise_var: float | None = None  # mean squared deviation of a reading from its budget's mean
         self._noise_n = 0
         self._visit: tuple[int, int] | None = None  # (budget, consecutive own readings there)
+        self._far_before = False  # the bin's last reading lay beyond the reset threshold from the fit
 
     @property
     def noise(self) -> float | None:
@@ -68,17 +69,26 @@ class BinMemory:
             self._visit = (point.budget, visit)
         same = next((p for p in kept if p.budget == point.budget), None)
         threshold = self.reset_threshold()
-        # The scatter is learned before the reset test: otherwise one wider than reset_delta is never learned.
+        # The scatter is learned before the reset test, from every reading (otherwise one wider than
+        # reset_delta is never learned), but a deviation counts at most up to the reset threshold: an
+        # outlier or a moved curve is not scatter, and one such reading would otherwise widen the
+        # threshold past the next far reading, so that the curve never resets.
         if same is not None and not probe:
             self._noise_n += 1
             w = max(NOISE_WEIGHT, 1 / self._noise_n)
-            self._noise_var = (1 - w) * (self._noise_var or 0.0) + w * (point.p5 - same.p5) ** 2
+            deviation = min(abs(point.p5 - same.p5), threshold)
+            self._noise_var = (1 - w) * (self._noise_var or 0.0) + w * deviation**2
         reset = False
         if kept and not probe:
             fitted = Curve.from_points(kept, prior_slope, min_slope).points
             x, d = math.log2(point.budget), threshold
-            if any((px <= x and py > point.p5 + d) or (px >= x and py < point.p5 - d) for px, py in fitted):
+            far = any((px <= x and py > point.p5 + d) or (px >= x and py < point.p5 - d) for px, py in fitted)
+            # One far reading may be an outlier (a step's p5 has heavier tails than a normal law: the
+            # cluster showed a 4-scatter dip that wiped a settled bin and doubled its budget); a moved
+            # curve reads far again. The first is averaged in like any reading.
+            if far and self._far_before:
                 kept, same, reset = [], None, True
+            self._far_before = far and not reset
         if same is not None:
             old_weight = min(same.weight, (self.average_readings - 1) * point.weight)
             mean = (same.p5 * old_weight + point.p5 * point.weight) / (old_weight + point.weight)

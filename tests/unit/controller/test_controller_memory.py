@@ -44,9 +44,22 @@ def test_a_reading_far_beyond_the_scatter_means_the_curve_moved():
             t += 1
             add(memory, budget, p5 + dev, t)
     assert memory.reset_threshold() == 0.03  # the scatter is tiny: reset_delta is the floor
-    assert add(memory, 256, 0.85, t + 1)
+    # One far reading may be an outlier: averaged in, nothing dropped.
+    assert not add(memory, 256, 0.85, t + 1)
+    assert {p.budget for p in memory.points} == {192, 256} and 0.85 < memory.mean(256) < 0.94
+    # Far again: the curve moved.
+    assert add(memory, 256, 0.85, t + 2)
     assert [(p.budget, p.p5) for p in memory.points] == [(256, 0.85)]
     assert memory.noise is not None  # what was learned of the scatter outlives the curve
+
+
+def test_an_outlier_between_ordinary_readings_never_resets():
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    t = 0
+    for p5 in [0.89, 0.90, 0.88, 0.89, 0.90, 0.70, 0.89, 0.90, 0.88, 0.60, 0.89]:
+        t += 1
+        assert not add(memory, 192, p5, t)
+    assert len(memory.points) == 1 and memory.points[0].readings == t
 
 
 def test_a_probe_reading_never_wipes_the_memory():
@@ -59,8 +72,9 @@ def test_a_probe_reading_never_wipes_the_memory():
     assert {p.budget for p in memory.points} == {128, 256} and memory.mean(128) < 0.5
     assert memory.noise == 0.0
     assert memory.mean(256) == 1.0  # and the bin's own budget did not move with the probe's mean
-    # The same reading as the bin's own is taken to mean that the curve moved.
-    assert add(memory, 128, 1.0, 6) and [p.budget for p in memory.points] == [128]
+    # The same reading as the bin's own, twice, is taken to mean that the curve moved.
+    assert not add(memory, 128, 1.0, 6)
+    assert add(memory, 128, 1.0, 7) and [p.budget for p in memory.points] == [128]
 
 
 def test_a_point_counts_its_readings_and_its_standard_error_shrinks_with_them():
@@ -95,3 +109,12 @@ def test_a_revisit_corrects_its_own_budget_before_it_moves_the_others():
     assert 0.4 * moved_192 < moved_256 < moved_192
     add(memory, 192, 0.97, t + 12)
     assert abs((memory.mean(256) - 0.93 - moved_256) - (memory.mean(192) - 0.89 - moved_192)) < 1e-9
+
+
+def test_a_scatter_wider_than_reset_delta_is_still_learned():
+    # Deviations count only up to the reset threshold, which starts at reset_delta (0.03): the estimate
+    # must still grow to a scatter of 0.05, not stall at the floor (nor wipe the memory on the way).
+    memory = BinMemory(average_readings=4, reset_delta=0.03, memory_s=3600)
+    rnd = random.Random(0)
+    resets = sum(add(memory, 256, 0.80 + rnd.gauss(0, 0.05), t) for t in range(100))
+    assert resets == 0 and 0.045 < memory.noise < 0.07
