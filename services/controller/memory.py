@@ -4,13 +4,13 @@ Readings at one budget are averaged (the newest keeps at least 1/`average_readin
 which smooths the noise of a per-step p5. The policy and the adapter drift, so the memory follows:
 when the current budget's mean moves, every other budget's point moves by as much (the curve is
 assumed to shift as a whole), and a reading that breaks monotonicity against the fit by more than
-`reset_delta`, twice in a row, wipes what came before it. The first readings after the bin comes to a budget mostly
-correct that budget's own old estimate (one reading, or a mean shifted while the bin was
-elsewhere), so they pass on only a part of their move, growing with the readings of this visit to
-the whole after `average_readings`. Passed on whole, those corrections hand every budget's
+`reset_delta`, twice in a row, wipes what came before it. The first readings after the bin comes to
+a budget mostly correct that budget's own old estimate (one reading, or a mean shifted while the bin
+was elsewhere), so they pass on only a part of their move, growing with the readings of this visit
+to the whole after `average_readings`. Passed on whole, those corrections hand every budget's
 estimation error to every other: in simulation a point ended 0.1 off its true level after a few
-visits back and forth. Passed on not at all, a curve that drifts while the bin hops between
-budgets never moves its other points, and raises come too small.
+visits back and forth. Passed on not at all, a curve that drifts while the bin hops between budgets
+never moves its other points, and raises come too small.
 
 One step's p5 scatters around its budget's mean (a few thousand correlated tokens per reading), so
 the memory also learns that scatter: the spread of each repeated reading around the mean it joins
