@@ -235,17 +235,17 @@ class Retuner:
         # whose shortfall is within the scatter of its few readings is no bound: it is tried again.
         marginal, doubtful = _failing(state.memory, curve, b, c.target + c.refine_margin)
         observed = curve.lowest_holding(c.target + c.refine_margin)
+        reason = "lower" if estimate > c.target + c.hysteresis else "refine"
         if held and doubtful is not None:
-            cheapest = doubtful
-            se = state.memory.standard_error(doubtful)
-            mean = state.memory.mean(doubtful)
+            se, mean = state.memory.standard_error(doubtful), state.memory.mean(doubtful)
+            reason, cheapest = "retry", doubtful
             how = f"retry {doubtful} (mean {mean:.4f}, within {DOUBT_SIGMAS:g} x {se:.4f} of target + refine_margin)"
         elif held and marginal is not None:
-            how = f"fit {cheapest:.0f}, kept above {marginal} (seen under target + refine_margin)"
+            how = f"cheapest fit {cheapest:.0f}, kept above {marginal} (seen under target + refine_margin)"
         elif held and observed is not None and observed < b:
-            cheapest, how = observed, f"{observed} seen holding"
+            cheapest, how = observed, f"cheapest {observed} seen holding"
         elif _held(state.high_since, state.high_readings, now, c):
-            how = f"fit {cheapest:.0f} (extrapolated)"
+            how = f"cheapest fit {cheapest:.0f} (extrapolated)"
         else:
             return None
         new = max(self.grid.up(cheapest), self.grid.up(b / c.max_step_ratio), c.min_budget)
@@ -253,10 +253,7 @@ class Retuner:
             new = max(new, self.grid.next_above(marginal))
         if new >= b:
             return None
-        if held and doubtful is not None:
-            return new, f"retry: p5 {estimate:.4f} >= target {c.target:.4f}, {how}"
-        reason = "lower" if estimate > c.target + c.hysteresis else "refine"
-        return new, f"{reason}: p5 {estimate:.4f} >= target {c.target:.4f}, cheapest {how}"
+        return new, f"{reason}: p5 {estimate:.4f} >= target {c.target:.4f}, {how}"
 
 
 def _failing(memory: BinMemory, curve: Curve, budget: int, threshold: float) -> tuple[int | None, int | None]:
