@@ -102,6 +102,12 @@ class RolloutEngine(abc.ABC):
     def load_adapter(self, folder: Path, version: int) -> None:
         """Loads a peft LoRA adapter; new sequences use it. Raises EngineError when refused."""
 
+    def adapter_folders_in_use(self) -> set[Path]:
+        """Adapter folders the engine may still read from disk: an engine that loads an adapter when a
+        batch first needs it (vLLM) reads the folder of every unfinished sequence's adapter. None here:
+        an engine that reads an adapter whole in `load_adapter` needs no folder afterwards."""
+        return set()
+
     @property
     @abc.abstractmethod
     def versions(self) -> EngineVersions:

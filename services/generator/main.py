@@ -92,7 +92,9 @@ class Generator:
         t, client = config.trainer, config.security.client()
         root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
         fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
-        self.sync = VersionSync(fetcher, self.service.load, lambda: self.service.serving, self.metrics)
+        self.sync = VersionSync(
+            fetcher, self.service.load, lambda: self.service.serving, self.metrics, self.service.adapter_folders_in_use
+        )
         self.service.sync = self.sync
         self.version_watch = (
             VersionWatcher(

@@ -156,6 +156,10 @@ class GeneratorService:
         """Load a fetched policy or adapter in the engine thread; returns the serving versions (VersionSync's hook)."""
         return self.call(lambda: self._load(kind, folder, version))
 
+    def adapter_folders_in_use(self) -> set[Path]:
+        """The engine's adapter folders still needed, asked in the engine thread (VersionSync's sweep)."""
+        return self.call(self.engine.adapter_folders_in_use, timeout=30.0)
+
     def request_drain(self, grace_s: float | None = None, exit_after: bool = False) -> Future:
         """Stop claiming; the future resolves with (groups finished, groups returned) once nothing is in flight."""
         future: Future = Future()

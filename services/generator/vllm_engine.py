@@ -44,6 +44,7 @@ class _Sequence:
     versions: EngineVersions
     submitted: float
     probe: bool = False
+    adapter_folder: str | None = None  # the LoRA this sequence runs with (vLLM may load it from disk again)
     started: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -196,6 +197,14 @@ class VllmEngine(RolloutEngine):
         self._lora = request
         self._versions = EngineVersions(self._versions.policy_version, version, self._versions.schedule_version)
 
+    def adapter_folders_in_use(self) -> set[Path]:
+        # vLLM reads a LoRA from its folder when a batch needs it and its cache does not hold it (the
+        # cache keeps `max_loras`): the folder of every unfinished sequence's adapter must stay.
+        folders = {Path(seq.adapter_folder) for seq in self._sequences.values() if seq.adapter_folder}
+        if self._lora is not None:
+            folders.add(Path(self._lora.lora_path))
+        return folders
+
     # -- generation --------------------------------------------------------------------------------
 
     def submit(self, group: PromptGroup) -> None:
@@ -233,7 +242,10 @@ class VllmEngine(RolloutEngine):
             self._engine.add_request(
                 rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
             )
-            self._sequences[rid] = _Sequence(group, i, self._versions, submitted=now, probe=probe)
+            folder = self._lora.lora_path if self._lora is not None else None
+            self._sequences[rid] = _Sequence(
+                group, i, self._versions, submitted=now, probe=probe, adapter_folder=folder
+            )
             ids.append(rid)
         self._by_group.setdefault(group.group_id, []).extend(ids)
 

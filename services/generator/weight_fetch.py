@@ -251,7 +251,10 @@ class VersionSync:
     """Brings the engine to the announced policy and adapter versions: fetch (here), load (engine thread).
 
     `load(kind, folder, version)` must run the engine's load in its own thread and return the
-    serving versions, raising EngineError when the engine refuses.
+    serving versions, raising EngineError when the engine refuses. A replaced policy folder is deleted
+    at once (the load copied it into the engine); a replaced adapter folder waits until `in_use()` (the
+    engine's `adapter_folders_in_use`, asked in its thread) no longer names it: vLLM reads an adapter
+    from disk again whenever a sequence still running under it needs it and its cache evicted it.
     """
 
     def __init__(
@@ -260,11 +263,14 @@ class VersionSync:
         load: Callable[[str, Path, int], EngineVersions],
         serving: Callable[[], EngineVersions],
         metrics: GeneratorMetrics | None = None,
+        in_use: Callable[[], set[Path]] | None = None,
     ) -> None:
         self.fetcher, self.load, self.serving, self.metrics = fetcher, load, serving, metrics
+        self.in_use = in_use
         self._want = {POLICY: 0, ADAPTER: 0}
         self._refused: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
         self._folders: dict[str, Path] = {}
+        self._retired: list[Path] = []  # adapter folders replaced while sequences may still read them
         self._cond = threading.Condition()
         self._swap_lock = threading.Lock()  # one fetch + load at a time, whoever asks
         self._closed = False
@@ -308,9 +314,13 @@ class VersionSync:
             with self._cond:
                 while not self._closed and not self._behind():
                     self._cond.wait(1.0)  # also re-checks after a swap made elsewhere
+                    if self._retired:
+                        break
                 if self._closed:
                     return
                 todo = self._behind()
+            if self._retired:
+                self.sweep()
             for kind, version in todo:
                 try:
                     self._swap(kind, version)
@@ -346,9 +356,38 @@ class VersionSync:
             self._retry_backoff.reset()
             log.info("now serving %s v%d", kind, fetched.version)
             old = self._folders.get(kind)
-            if old is not None and old != fetched.folder:
-                shutil.rmtree(old, ignore_errors=True)  # the engine holds the new one (vLLM reads LoRA lazily)
             self._folders[kind] = fetched.folder
+            if old is not None and old != fetched.folder:
+                if kind == ADAPTER:  # sequences started under it may still need it read (vLLM loads LoRA lazily)
+                    self._retired.append(old)
+                else:  # a policy is copied into the engine's weights by the load
+                    shutil.rmtree(old, ignore_errors=True)
+            self._sweep()
+
+    def sweep(self) -> list[Path]:
+        """Delete the replaced adapter folders that no unfinished sequence uses any more; returns those kept.
+
+        Runs after every swap and, while folders wait, every second in the background swapper.
+        """
+        with self._swap_lock:
+            self._sweep()
+            return list(self._retired)
+
+    def _sweep(self) -> None:
+        if not self._retired:
+            return
+        try:
+            busy = {p.resolve() for p in self.in_use()} if self.in_use is not None else set()
+        except Exception as exc:  # the engine loop is stopping: keep them, nothing is lost
+            log.debug("cannot tell which adapter folders are in use: %s", exc)
+            return
+        kept = []
+        for folder in self._retired:
+            if folder.resolve() in busy:
+                kept.append(folder)
+            else:
+                shutil.rmtree(folder, ignore_errors=True)
+        self._retired = kept
 
     def _count(self, kind: str, outcome: str) -> None:
         if self.metrics is not None:

@@ -34,8 +34,11 @@ def weight_service(root: Path) -> Iterator[tuple[WeightStore, str]]:
         server.stop(0)
 
 
-def version_sync(engine, address: str, folder: Path) -> tuple[VersionSync, GeneratorMetrics]:
-    """The generator's fetch-verify-load path onto `engine`, driven with `load_now` from the test's thread."""
+def version_sync(engine, address: str, folder: Path, in_use: bool = True) -> tuple[VersionSync, GeneratorMetrics]:
+    """The generator's fetch-verify-load path onto `engine`, driven with `load_now` from the test's thread.
+
+    `in_use`: replaced adapter folders stay while the engine's sequences use them, as in the service.
+    """
     metrics = GeneratorMetrics()
 
     def load(kind: str, path: Path, version: int):
@@ -46,7 +49,8 @@ def version_sync(engine, address: str, folder: Path) -> tuple[VersionSync, Gener
         return engine.versions
 
     fetcher = WeightFetcher(address, GrpcSecurity(), folder, chunk_bytes=1 << 14)
-    return VersionSync(fetcher, load, lambda: engine.versions, metrics), metrics
+    keep = engine.adapter_folders_in_use if in_use else None
+    return VersionSync(fetcher, load, lambda: engine.versions, metrics, keep), metrics
 
 
 def as_rollouts(samples: list[FinishedSample]) -> list[Rollout]:

@@ -113,3 +113,27 @@ def test_a_published_adapter_serves_sparse_lora_logprobs_equal_to_the_trainers_a
         later = _generate(engine, "b", 2)
         assert all(s.versions.adapter_version == 1 for s in later)
         assert max_diff(trainer.distill.logprobs(as_rollouts(later), RULE), later) <= 1e-4
+
+
+def test_a_replaced_adapter_folder_goes_once_the_engine_no_longer_needs_it(engine, tmp_path):
+    # The reference engine reads an adapter whole when it loads it: the old folder goes at the swap.
+    # While the engine cannot say what it needs (its loop stopping), replaced folders are kept until it can.
+    steps = [_step(seed=10 + i) for i in range(3)]
+    with weight_service(tmp_path / "trainer") as (store, address):
+        sync, _ = version_sync(engine, address, tmp_path / "generator")
+        for i, s in enumerate(steps):
+            s.adapter_version = i
+            assert s.publish(store, 1, i + 1) == i + 1
+        assert sync.load_now(0, 1).adapter_version == 1
+        assert sync.load_now(0, 2).adapter_version == 2
+        folders = sorted(p.name for p in (tmp_path / "generator").iterdir())
+        assert folders == ["adapter-v2"] and sync.sweep() == []
+
+        def unknown() -> set:
+            raise RuntimeError("the generator loop has stopped")
+
+        sync.in_use = unknown
+        assert sync.load_now(0, 3).adapter_version == 3
+        assert sync.sweep() == [tmp_path / "generator" / "adapter-v2"]  # kept: nobody could say
+        sync.in_use = engine.adapter_folders_in_use
+        assert sync.sweep() == [] and sorted(p.name for p in (tmp_path / "generator").iterdir()) == ["adapter-v3"]

@@ -114,6 +114,39 @@ def test_sparse_lora_logprobs_match_the_trainers_and_a_mid_run_push_serves_new_s
     assert swaps(metrics, "ok") == 2
 
 
+def test_swaps_faster_than_sequences_finish_keep_each_adapter_folder_until_its_last_sequence(engine, tmp_path):
+    # vLLM caches max_loras adapters (2 here), evicts the least recently used one when another is added,
+    # and reads an evicted one from its folder again when a batch needs it. A group submitted under
+    # adapter 21 and not yet scheduled when 22 and 23 arrive has lost 21 from the cache. Deleting a
+    # replaced folder at once made that read fail in a cluster run (the whole engine step failed, and
+    # groups retried into the same failure were dead-lettered): the folder must stay until the last
+    # sequence started under it has finished.
+    trainers = [_trainer(seed=20 + i) for i in range(4)]
+    with weight_service(tmp_path / "trainer") as (store, address):
+        sync, _ = version_sync(engine, address, tmp_path / "generator")
+        for i, t in enumerate(trainers):
+            t.adapter_version = 20 + i
+            assert t.publish(store, 1, i + 1) == 21 + i
+        assert sync.load_now(0, 21).adapter_version == 21
+        engine.submit(_group("held", 7, new=80))
+        assert sync.load_now(0, 22).adapter_version == 22
+        assert sync.load_now(0, 23).adapter_version == 23  # evicts 21, which no step has used yet
+        folder_21 = tmp_path / "generator" / "adapter-v21"
+        assert folder_21.is_dir() and sync.sweep() == [folder_21]  # 22 served no sequence: gone
+        assert not (tmp_path / "generator" / "adapter-v22").exists()
+        done = [s for _ in range(5) for s in engine.step()]  # reads 21 from its folder again
+        assert sync.load_now(0, 24).adapter_version == 24
+        engine.submit(_group("after", 8, new=20))
+        done = _finish(engine, done)
+        assert sync.sweep() == [] and not folder_21.exists()
+        assert not (tmp_path / "generator" / "adapter-v23").exists()
+    held = [s for s in done if s.group_id == "held"]
+    assert [s.versions.adapter_version for s in held] == [21, 21]
+    assert all(len(s.token_ids) == 80 for s in held)  # to the last token, with adapter 21
+    assert max_diff(trainers[0].distill.logprobs(as_rollouts(held), RULE), held) <= 1e-3
+    assert [s.versions.adapter_version for s in done if s.group_id == "after"] == [24, 24]
+
+
 def test_a_corrupt_adapter_is_refused_and_the_previous_one_keeps_serving(engine, tmp_path):
     good = _trainer(seed=3)
     # Versions above the other test's: this engine (module-wide) has adapters 1 and 2 loaded, and vLLM keeps
