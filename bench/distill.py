@@ -54,8 +54,9 @@ class DistillBenchSettings:
 @dataclass
 class DistillBenchResult:
     settings: dict[str, Any]
-    before: list[dict[str, Any]]  # per bin: kv_start, tokens, p5, mean (sparse actor, identity adapter)
-    after: list[dict[str, Any]]  # per bin: also p5_without / mean_without on the same tokens
+    # per bin: kv_start, tokens, p5, mean, lookups, lookups_failed (sparse actor, identity adapter)
+    before: list[dict[str, Any]]
+    after: list[dict[str, Any]]  # per bin: also p5_without, mean_without, lookups_failed_without (same tokens)
     reward_before: float
     reward_after: float
     steps: list[dict[str, float]]  # per training step: loss, kl, reward, ...
@@ -99,18 +100,53 @@ def _bins(alpha: torch.Tensor, kv: torch.Tensor, width: int) -> dict[int, tuple[
     return {b.index: (b.count, b.quantile, b.mean) for b in binned_stats(alpha, kv, width)}
 
 
+# A looked-up name counts as failed when its alpha is below this: the sparse actor then puts most of
+# its mass elsewhere than the dense policy does (alpha is bimodal on this task: near 0 or near 1).
+LOOKUP_FAILED_BELOW = 0.5
+
+
+def lookup_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """Bool per response token of `rollouts` (concatenated, the probe's order): the names a hop looks up.
+
+    A hop is written `k A B ;`: B, two tokens after the countdown number k, is the name found in the
+    prompt's pairs (or in an earlier lap of the solution).
+    """
+    from sparrow.tasks.vocab import NUMBERS, TOKEN_TO_ID
+
+    numbers = {TOKEN_TO_ID[n] for n in NUMBERS}
+    out = []
+    for r in rollouts:
+        ids = r.token_ids
+        out += [t >= 2 and ids[t - 2] in numbers for t in range(len(ids))]
+    return torch.tensor(out, dtype=torch.bool)
+
+
+def _failed_lookups(alpha: torch.Tensor, kv: torch.Tensor, lookups: torch.Tensor, width: int) -> dict[int, tuple]:
+    bins = torch.div(kv[lookups], width, rounding_mode="floor")
+    failed = alpha[lookups] < LOOKUP_FAILED_BELOW
+    return {int(b): (int((bins == b).sum()), int((failed & (bins == b)).sum())) for b in bins.unique()}
+
+
 def _measure(distill: DistillSparse, sampler: _Sampler, rule: BlockRule, seed: int, both: bool) -> tuple:
-    """Sample the held-out prompts with the actor; exact alpha per bin against dense (and without the adapter)."""
+    """Sample the held-out prompts with the actor; exact alpha per bin against dense (and without the adapter),
+    and the share of looked-up names that fail (alpha < LOOKUP_FAILED_BELOW)."""
     rollouts, rewards = sampler.sample(distill.actor, sampler.heldout, 1, seed)
     width = sampler.settings.bin_width
     probe = distill.probe(rollouts, rule)
+    lookups = lookup_mask(rollouts)
     with_bins = _bins(probe.with_adapter, probe.kv_lens, width)
+    with_failed = _failed_lookups(probe.with_adapter, probe.kv_lens, lookups, width)
     without_bins = _bins(probe.without_adapter, probe.kv_lens, width) if both else {}
+    without_failed = _failed_lookups(probe.without_adapter, probe.kv_lens, lookups, width) if both else {}
     rows = []
     for b, (count, p5, mean) in sorted(with_bins.items()):
-        row = {"bin": b, "kv_start": b * width, "tokens": count, "p5": p5, "mean": mean}
+        looked, failed = with_failed.get(b, (0, 0))
+        row = {"bin": b, "kv_start": b * width, "tokens": count, "p5": p5, "mean": mean, "lookups": looked}
+        row["lookups_failed"] = failed / looked if looked else None
         if both:
             row.update(p5_without=without_bins[b][1], mean_without=without_bins[b][2])
+            looked, failed = without_failed.get(b, (0, 0))
+            row["lookups_failed_without"] = failed / looked if looked else None
         rows.append(row)
     return rows, sum(rewards) / len(rewards)
 
@@ -139,7 +175,7 @@ def run_distill_bench(settings: DistillBenchSettings, log: Callable[[str], None]
         steps.append({"step": step + 1, "reward": sum(rewards) / len(rewards), **stats})
         log(
             f"step {step + 1}: reward {steps[-1]['reward']:.3f} loss {stats['loss']:.4f} kl {stats['kl']:.4f} "
-            f"grad norm {stats['grad_norm']:.3f} ({time.monotonic() - t0:.1f} s)"
+            f"selection {stats['selection']:.4f} grad norm {stats['grad_norm']:.3f} ({time.monotonic() - t0:.1f} s)"
         )
     after, reward_after = _measure(distill, sampler, rule, settings.seed + 10_000, both=True)
     log("after:  p5 per bin " + _text(after) + f"; reward {reward_after:.3f}")
@@ -149,7 +185,12 @@ def run_distill_bench(settings: DistillBenchSettings, log: Callable[[str], None]
 
 
 def _text(rows: Sequence[dict[str, Any]]) -> str:
-    return ", ".join(f"{r['kv_start']}+: {r['p5']:.3f} (mean {r['mean']:.3f}, {r['tokens']} tokens)" for r in rows)
+    def failed(r: dict[str, Any]) -> str:
+        return "" if r["lookups_failed"] is None else f", lookups failed {r['lookups_failed']:.3f}"
+
+    return ", ".join(
+        f"{r['kv_start']}+: {r['p5']:.3f} (mean {r['mean']:.3f}, {r['tokens']} tokens{failed(r)})" for r in rows
+    )
 
 
 def plot(result: DistillBenchResult, path: str | Path) -> None:
@@ -178,6 +219,8 @@ def plot(result: DistillBenchResult, path: str | Path) -> None:
     x = [s["step"] for s in result.steps]
     axes[2].plot(x, [s["kl"] for s in result.steps], label="k3 KL (sampled tokens)", color="tab:purple")
     axes[2].plot(x, [s["loss"] for s in result.steps], label="loss", color="tab:green", ls="--")
+    if any(s.get("selection", 0.0) > 0 for s in result.steps):
+        axes[2].plot(x, [s["selection"] for s in result.steps], label="selection loss", color="tab:orange")
     axes[2].set_xlabel("adapter step")
     axes[2].set_title("adapter training")
     axes[2].grid(alpha=0.3)

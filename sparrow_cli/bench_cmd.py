@@ -68,6 +68,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument(
         "--kl-estimator", choices=("k3", "full"), default="k3", help="k3 on sampled tokens (the paper's) or exact"
     )
+    d.add_argument(
+        "--selection-coef", type=float, default=0.0, help="weight of the selection loss (default 0: the paper's loss)"
+    )
     d.add_argument("--epochs", type=int, default=2, help="adapter optimizer steps per batch (default 2)")
     d.add_argument("--seed", type=int, default=0, help="prompts, sampling and adapter initialisation (0)")
     d.add_argument("--plot", default=None, help="write the figure here (PNG)")

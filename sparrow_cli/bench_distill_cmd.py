@@ -41,6 +41,7 @@ def _settings(args: argparse.Namespace):
             lr=args.lr,
             kl_coef=args.kl_coef,
             kl_estimator=args.kl_estimator,
+            selection_coef=args.selection_coef,
             epochs=args.epochs,
             seed=args.seed,
         )
@@ -88,12 +89,18 @@ def run_distill(args: argparse.Namespace) -> int:
         return 0
     print(f"done in {result.seconds:.0f} s; p5 per bin before -> after (after without the adapter, same tokens):")
     before = {r["bin"]: r for r in result.before}
+
+    def share(value: float | None) -> str:
+        return "  -  " if value is None else f"{value:.3f}"
+
     for r in result.after:
         b = before.get(r["bin"])
         was = f"{b['p5']:.3f}" if b else "  -  "
         print(
             f"  {r['kv_start']:>5}+  {was} -> {r['p5']:.3f} ({r['p5_without']:.3f})   "
-            f"mean {b['mean'] if b else float('nan'):.3f} -> {r['mean']:.3f}   {r['tokens']} tokens"
+            f"mean {b['mean'] if b else float('nan'):.3f} -> {r['mean']:.3f}   {r['tokens']} tokens   "
+            f"lookups failed {share(b['lookups_failed'] if b else None)} -> {share(r['lookups_failed'])} "
+            f"of {r['lookups']}"
         )
     print(f"  reward (sparse actor, held-out) {result.reward_before:.3f} -> {result.reward_after:.3f}")
     return 0

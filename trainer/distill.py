@@ -23,15 +23,19 @@ for each position (`trainer.sparse_attention.recorded_plan`), theta frozen:
 (or, with `kl_estimator="full"`, the exact KL(sparse+LoRA || dense) over the vocabulary at each position)
 with lp the sparse+LoRA logprob of each sampled token and ref the dense policy's (detached, from the
 policy as it is now, i.e. after this step's dense update: the policy the adapter will be applied
-to). L_PPO is the trainer's GRPO + TIS loss (`trainer.grpo.grpo_tis_loss`) with the sparse actor as
-the policy: its old logprobs are the actor's own before this step's update and its TIS weight
-corrects for the generator's (stale) sampling distribution.
+to), plus, when `selection_coef` > 0, that weight times the selection loss of the sparse layers
+(`trainer.sparse_attention.selection_loss`: how far the pages' centroid scores are from ranking the
+pages by the dense attention mass they hold). L_PPO is the trainer's GRPO + TIS loss
+(`trainer.grpo.grpo_tis_loss`) with the sparse actor as the policy: its old logprobs are the actor's
+own before this step's update and its TIS weight corrects for the generator's (stale) sampling
+distribution.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +87,12 @@ class DistillConfig:
       dense) over the whole vocabulary at each response position: the trainer holds both full
       distributions, and on a small fixed batch the sampled-token estimate can be driven down by
       matching the sampled tokens alone, without the distributions getting any closer;
+    - selection_coef 0: the paper's loss. Neither L_PPO nor the KL has a gradient through the top-k
+      choice of pages, so where sparse attention fails because the page a token needs was not
+      selected (a looked-up fact on an unselected page), no amount of training on them brings the
+      page back. The selection loss is differentiable in the queries and the page centroids (through
+      q_proj and k_proj): it trains the scores to rank pages as the attention would weigh them
+      (see the README's DistillSparse results for what it did on `small`);
     - epochs 1: one optimizer step per RL step, as the paper trains phi after each dense update.
     No LoRA dropout: the engines apply none, and the trained actor must be the served one.
     """
@@ -97,6 +107,7 @@ class DistillConfig:
     kl_coef: float = 1e-3
     kl_clamp: float = 10.0
     kl_estimator: str = "k3"  # "k3" (sampled tokens, the paper's) or "full" (exact, every vocabulary entry)
+    selection_coef: float = 0.0  # weight of the selection loss (0: the paper's loss)
     epochs: int = 1
     micro_batch_size: int = 8
     temperature: float = 1.0
@@ -109,8 +120,8 @@ class DistillConfig:
             raise ValueError("the adapter needs rank >= 1 and at least one target module")
         if not self.lr > 0 or self.epochs < 1 or self.micro_batch_size < 1:
             raise ValueError("lr must be > 0, epochs and micro_batch_size >= 1")
-        if self.kl_coef < 0 or not self.kl_clamp > 0 or not self.temperature > 0:
-            raise ValueError("kl_coef must be >= 0, kl_clamp and temperature > 0")
+        if self.kl_coef < 0 or self.selection_coef < 0 or not self.kl_clamp > 0 or not self.temperature > 0:
+            raise ValueError("kl_coef and selection_coef must be >= 0, kl_clamp and temperature > 0")
         if self.kl_estimator not in ("k3", "full"):
             raise ValueError(f"kl_estimator must be 'k3' or 'full', got {self.kl_estimator!r}")
 
@@ -150,7 +161,9 @@ class DistillSparse:
 
     # -- forwards -------------------------------------------------------------------------------------
 
-    def _sparse_logits(self, mb: MicroBatch, rollouts: Sequence[Rollout], rule: BlockRule) -> torch.Tensor:
+    def _sparse_logits(
+        self, mb: MicroBatch, rollouts: Sequence[Rollout], rule: BlockRule, selection: list | None = None
+    ) -> torch.Tensor:
         plan = sparse_attention.recorded_plan(
             mb.prompt_lens,
             [rollouts[r].kv_budgets for r in mb.rows],
@@ -160,6 +173,8 @@ class DistillSparse:
             rule.dense_layers,
             self.config.backend,
         )
+        if selection is not None:
+            plan = dataclasses.replace(plan, selection=selection)
         out = self.actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, sparrow_plan=plan)
         return out.logits[:, :-1]
 
@@ -192,6 +207,8 @@ class DistillSparse:
 
         The first pass's figures describe the adapter as it came into this step (before it saw the
         batch): `loss`, `ppo_loss`, `kl` (mean KL estimate per token), `tis_clip_fraction`, `tokens`,
+        `selection` (the selection loss before its weight: the mean over sparse layers, micro-batches
+        weighted by their tokens; 0 when selection_coef is 0),
         `grad_norm` (of that first step, before clipping).
         """
         c = self.config
@@ -207,9 +224,11 @@ class DistillSparse:
         with self._theta_frozen():
             for epoch in range(c.epochs):
                 self.optimizer.zero_grad(set_to_none=True)
-                totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0, "tis_clip_fraction": 0.0, "tokens": 0.0}
+                totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0, "selection": 0.0, "tis_clip_fraction": 0.0}
+                totals["tokens"] = 0.0
                 for i, mb in enumerate(batches):
-                    logits = self._sparse_logits(mb, rollouts, rule)
+                    selection: list | None = [] if c.selection_coef > 0 else None
+                    logits = self._sparse_logits(mb, rollouts, rule, selection)
                     lp = sampled_logprobs(logits, mb.targets, c.temperature)
                     if epoch == 0:  # the actor before this step: PPO's old policy
                         olds.append(lp.detach())
@@ -218,6 +237,11 @@ class DistillSparse:
                     )
                     kl = (self._kl_per_token(mb, logits, lp, refs[i]) * mb.mask).sum() / num_tokens
                     loss = ppo + c.kl_coef * kl
+                    if selection:
+                        share = mb.mask.sum() / num_tokens
+                        sel = torch.stack(selection).mean() * share
+                        loss = loss + c.selection_coef * sel
+                        totals["selection"] += float(sel.detach())
                     loss.backward()
                     totals["loss"] += float(loss.detach())
                     totals["ppo_loss"] += float(ppo.detach())

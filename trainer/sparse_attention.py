@@ -33,6 +33,82 @@ class TeacherForcedPlan:
     local: int = 2
     dense_layers: frozenset[int] = frozenset({0, 1})
     backend: str = "auto"
+    # When a list: every sparse layer appends its selection loss (`selection_loss`) to it.
+    selection: list | None = None
+
+
+# Elements of one chunk's dense attention probabilities in `selection_loss` (about 128 MiB of float32).
+SELECTION_CHUNK_ELEMENTS = 1 << 25
+
+
+def selection_loss(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    budgets: torch.Tensor,
+    sink: int,
+    local: int,
+    scaling: float | None = None,
+    chunk_elements: int = SELECTION_CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """How far the selection's page scores are from ranking the pages by the attention mass they hold; a scalar.
+
+    query [b, q_heads, t, d] and key [b, kv_heads, t, d] as the layer computes them (positions
+    encoded), budgets [b, t] in pages, as in a `TeacherForcedPlan`. For every position that selects
+    (it holds more pages than its budget, and some page is neither sink nor local) and every KV head:
+      - the target is the share of the layer's dense attention mass, averaged over the head's query
+        group and detached, that each candidate page (neither sink nor local) holds;
+      - the prediction is the softmax, over the same pages, of the scores the selection ranks them
+        by: group-mean query . page centroid (the mean of the page's keys), at the attention's scale;
+      - the term is KL(target || prediction), weighted by the mass the candidates hold together (where
+        the sink and local pages hold nearly all of it, which pages win matters little).
+    The loss is the mean over selecting positions and KV heads (0 when none selects). Its gradient
+    reaches the queries and, through the centroids, the keys: the only way a loss can change which
+    pages win the top-k, since the selection itself has no gradient. The dense probabilities are
+    computed a chunk of positions at a time, `chunk_elements` at most.
+    """
+    from kernels import PAGE_SIZE
+
+    b, hq, t, d = query.shape
+    h = key.shape[1]
+    g = hq // h
+    scaling = 1.0 / d**0.5 if scaling is None else scaling
+    pages = -(-t // PAGE_SIZE)
+    pad = pages * PAGE_SIZE - t
+    device = query.device
+    pos = torch.arange(t, device=device)
+    n = pos // PAGE_SIZE + 1  # pages holding positions 0..t
+    cand = (torch.arange(pages, device=device)[None, :] >= sink) & (
+        torch.arange(pages, device=device)[None, :] < (n - local)[:, None]
+    )  # [t, pages]
+    selecting = (n[None, :] > budgets.to(device)) & cand.any(-1)[None, :]  # [b, t]
+    count = int(selecting.sum())
+    if count == 0:
+        return query.new_zeros((), dtype=torch.float32)
+    q, k = query.float(), key.float()
+    cents = torch.nn.functional.pad(k, (0, 0, 0, pad)).view(b, h, pages, PAGE_SIZE, d).mean(3)  # [b, h, P, d]
+    qm = q.view(b, h, g, t, d).mean(2)  # [b, h, t, d]
+    keys = k.detach().repeat_interleave(g, dim=1)  # [b, hq, t, d]
+    step = max(1, chunk_elements // max(1, b * hq * t))
+    total = query.new_zeros((), dtype=torch.float32)
+    for lo in range(0, t, step):
+        hi = min(t, lo + step)
+        rows = selecting[:, lo:hi]
+        if not bool(rows.any()):
+            continue
+        with torch.no_grad():
+            logits = torch.einsum("bhcd,bhsd->bhcs", q[:, :, lo:hi].detach(), keys) * scaling
+            logits = logits.masked_fill(pos[None, None, None, :] > pos[lo:hi, None], float("-inf"))
+            mass = torch.nn.functional.pad(logits.softmax(-1), (0, pad)).view(b, hq, hi - lo, pages, PAGE_SIZE)
+            mass = mass.sum(-1).view(b, h, g, hi - lo, pages).mean(2)  # [b, h, c, P]
+            mask = cand[lo:hi][None, None] & rows[:, None, :, None]
+            mass = mass * mask
+            held = mass.sum(-1)  # [b, h, c]
+            target = mass / held.clamp(min=1e-12)[..., None]
+        scores = torch.einsum("bhcd,bhpd->bhcp", qm[:, :, lo:hi], cents) * scaling
+        logp = scores.masked_fill(~mask, float("-inf")).log_softmax(-1).masked_fill(~mask, 0.0)
+        kl = (target * (target.clamp(min=1e-12).log() - logp)).sum(-1)  # [b, h, c]
+        total = total + (kl * held * rows[:, None, :]).sum()
+    return total / (count * h)
 
 
 def teacher_forced_plan(
@@ -134,6 +210,10 @@ def block_sparse_attention_forward(
         raise ValueError(f"plan budgets are {tuple(sparrow_plan.budgets.shape)} but this batch is {(b, t)}")
     from kernels import teacher_forced_attention
 
+    if sparrow_plan.selection is not None and torch.is_grad_enabled():
+        sparrow_plan.selection.append(
+            selection_loss(query, key, sparrow_plan.budgets, sparrow_plan.sink, sparrow_plan.local, scaling)
+        )
     out = teacher_forced_attention(
         query.transpose(1, 2),
         key.transpose(1, 2),

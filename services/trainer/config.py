@@ -127,6 +127,11 @@ class DistillSection(ConfigSection):
     kl_estimator: Literal["k3", "full"] = Field(
         "k3", description="k3 on the sampled tokens (the paper's) or the exact KL over the vocabulary."
     )
+    selection_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the selection loss (page scores vs dense attention mass per page); 0: the paper's loss.",
+    )
     epochs: int = Field(1, ge=1, description="Adapter optimizer steps on each step's batch.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass of the adapter.")
     backend: Literal["auto", "torch", "cpu", "triton"] = Field(

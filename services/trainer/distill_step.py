@@ -43,10 +43,20 @@ class DistillMetrics:
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
-        self.loss = Gauge("sparrow_trainer_distill_loss", "Adapter loss L_PPO + lambda * k3, last step.", registry=r)
+        self.loss = Gauge(
+            "sparrow_trainer_distill_loss",
+            "Adapter loss L_PPO + lambda * k3 (+ selection_coef * selection loss), last step.",
+            registry=r,
+        )
         self.kl = Gauge(
             "sparrow_trainer_distill_kl",
             "k3 estimate of KL(sparse+LoRA || dense) per sampled token, last step, before its update.",
+            registry=r,
+        )
+        self.selection = Gauge(
+            "sparrow_trainer_distill_selection_loss",
+            "Selection loss of the adapter's last step (0 when selection_coef is 0): how far page scores rank "
+            "the pages from the attention mass they hold.",
             registry=r,
         )
         self.adapter_version = Gauge("sparrow_trainer_adapter_version", "Latest published adapter version.", registry=r)
@@ -121,6 +131,7 @@ class DistillStep:
                 kl_coef=config.kl_coef,
                 kl_clamp=config.kl_clamp,
                 kl_estimator=config.kl_estimator,
+                selection_coef=config.selection_coef,
                 epochs=config.epochs,
                 micro_batch_size=config.micro_batch_size,
                 temperature=temperature,
@@ -150,12 +161,15 @@ class DistillStep:
         if not rows:
             return report
         stats = self.distill.train_step([rollouts[i] for i in rows], advantages[rows], rule)
-        report.update({k: stats[k] for k in ("loss", "ppo_loss", "kl", "grad_norm", "tis_clip_fraction", "tokens")})
+        keys = ("loss", "ppo_loss", "kl", "selection", "grad_norm", "tis_clip_fraction", "tokens")
+        report.update({k: stats[k] for k in keys})
         self.metrics.loss.set(stats["loss"])
         self.metrics.kl.set(stats["kl"])
+        self.metrics.selection.set(stats["selection"])
         log.info(
-            "step %d: adapter loss %.4f (ppo %.4f, kl %.4f) on %d tokens, grad norm %.3f",
-            step, stats["loss"], stats["ppo_loss"], stats["kl"], int(stats["tokens"]), stats["grad_norm"],
+            "step %d: adapter loss %.4f (ppo %.4f, kl %.4f, selection %.4f) on %d tokens, grad norm %.3f",
+            step, stats["loss"], stats["ppo_loss"], stats["kl"], stats["selection"], int(stats["tokens"]),
+            stats["grad_norm"],
         )  # fmt: skip
         return report
 

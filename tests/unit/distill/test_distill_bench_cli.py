@@ -6,7 +6,8 @@ import pytest
 
 from tests.cli_runner import sparrow
 
-TINY_RUN = ("--model", "models/tiny", "--pairs", "8", "--hops", "6", "--budgets", "48", "--bin-width", "32")
+# Prompts of about 28 tokens and 12 hops: past 64 tokens the budget of 4 pages selects one of the others.
+TINY_RUN = ("--model", "models/tiny", "--pairs", "8", "--hops", "12", "--budgets", "64", "--bin-width", "32")
 
 
 @pytest.mark.parametrize(
@@ -18,6 +19,7 @@ TINY_RUN = ("--model", "models/tiny", "--pairs", "8", "--hops", "6", "--budgets"
         (("--group-size", "1"), "--group-size must be at least 2"),
         (("--model", "no/such/model"), "no config.json"),
         (("--kl-coef", "-1"), "kl_coef"),
+        (("--selection-coef", "-1"), "selection_coef"),
         (("--pairs", "500"), "pairs"),
     ],
 )
@@ -32,13 +34,31 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
 def test_a_tiny_run_reports_bins_before_and_after_and_writes_json_and_a_plot(tmp_path):
     out, png = tmp_path / "report.json", tmp_path / "distill.png"
     run = ("--steps", "2", "--groups", "1", "--group-size", "2", "--heldout", "2", "--out", out, "--plot", png)
-    r = sparrow("bench", "distill", *TINY_RUN, *run, "--json", timeout=300)
+    r = sparrow("bench", "distill", *TINY_RUN, *run, "--selection-coef", "1", "--json", timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     assert report == json.loads(out.read_text())
     assert [s["step"] for s in report["steps"]] == [1, 2] and all(s["tokens"] > 0 for s in report["steps"])
     assert report["before"] and {b["bin"] for b in report["after"]} == {b["bin"] for b in report["before"]}
     assert all(0 <= b["p5"] <= 1 and "p5_without" in b for b in report["after"])
-    assert report["settings"]["budgets"] == [48] and report["settings"]["distill"]["kl_estimator"] == "k3"
+    assert all(s["selection"] > 0 for s in report["steps"])  # the budget selects: the selection loss is on
+    for b in report["before"] + report["after"]:
+        assert b["lookups"] >= 0 and (b["lookups_failed"] is None or 0 <= b["lookups_failed"] <= 1)
+    assert sum(b["lookups"] for b in report["after"]) > 0
+    settings = report["settings"]
+    assert settings["budgets"] == [64] and settings["distill"]["kl_estimator"] == "k3"
+    assert settings["distill"]["selection_coef"] == 1.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "step 2:" in r.stderr  # progress goes to stderr when stdout carries JSON
+
+
+def test_the_names_two_tokens_after_a_hop_number_count_as_lookups():
+    from bench.distill import lookup_mask
+    from sparrow.tasks.vocab import NAMES, encode_words
+    from trainer.batch import Rollout
+
+    a, b = NAMES[:2]
+    ids = encode_words(f"3 {a} {b} ; 2 {b} {a} ; 1 {a} {b} ; \\boxed{{ {b} }}")
+    n = len(ids)
+    r = Rollout("g", 0, (1,), tuple(ids), (0.0,) * n, ((0,),) * n, ((0.0,),) * n, (0,) * n)
+    assert lookup_mask([r, r]).tolist() == [t in (2, 6, 10) for t in range(n)] * 2

@@ -22,6 +22,7 @@ NAMES = (
     "sparrow_trainer_adapter_version",
     "sparrow_trainer_alpha_probe_with_adapter_p5",
     "sparrow_trainer_alpha_probe_without_adapter_p5",
+    "sparrow_trainer_distill_selection_loss",
 )
 
 
@@ -56,6 +57,7 @@ def test_a_probe_step_holds_rollouts_out_scores_them_both_ways_and_exports_every
         assert seen[(NAMES[3], str(r["bin"]))] == r["p5_with"]
         assert seen[(NAMES[4], str(r["bin"]))] == r["p5_without"]
     assert seen[(NAMES[0], "")] == report["loss"] and seen[(NAMES[1], "")] == report["kl"]
+    assert seen[(NAMES[5], "")] == report["selection"] == 0.0  # selection_coef 0: the paper's loss
     assert {name for name, _ in seen} >= set(NAMES)
 
     report = step.run(2, rollouts, torch.zeros(6))  # no probe on step 2: every rollout trains

@@ -104,7 +104,15 @@ def test_the_checkpoint_state_round_trips_and_a_different_adapter_is_refused(pol
 
 @pytest.mark.parametrize(
     "bad",
-    [{"rank": 0}, {"target_modules": ()}, {"lr": 0.0}, {"epochs": 0}, {"kl_coef": -1.0}, {"kl_estimator": "k2"}],
+    [
+        {"rank": 0},
+        {"target_modules": ()},
+        {"lr": 0.0},
+        {"epochs": 0},
+        {"kl_coef": -1.0},
+        {"kl_estimator": "k2"},
+        {"selection_coef": -0.1},
+    ],
 )
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
@@ -115,3 +123,21 @@ def _grpo(**kw):
     from trainer.grpo import GRPOConfig
 
     return GRPOConfig(**kw)
+
+
+def test_the_selection_loss_joins_the_adapter_loss_and_alone_moves_the_adapter(policy):
+    # Zero advantages and no KL term: PPO's gradient is zero, so whatever moves the adapter is the
+    # selection loss, through q_proj and k_proj (the scores' queries and the centroids' keys).
+    rollouts = sample_rollouts(policy, count=4)
+    zero = torch.zeros(len(rollouts))
+    off = DistillSparse(policy, DistillConfig(kl_coef=0.0, lr=1e-3, backend="torch"))
+    phi = [p.detach().clone() for p in off.lora_params]
+    assert off.train_step(rollouts, zero, RULE)["selection"] == 0.0  # the paper's loss by default
+    assert all(torch.equal(a, b) for a, b in zip(phi, off.lora_params, strict=True))
+
+    on = DistillSparse(tiny_policy(), DistillConfig(kl_coef=0.0, selection_coef=2.0, lr=1e-3, backend="torch"))
+    stats = on.train_step(rollouts, zero, RULE)
+    assert stats["selection"] > 0
+    assert stats["loss"] == pytest.approx(stats["ppo_loss"] + 2.0 * stats["selection"], rel=1e-6)
+    moved = {n for n, p in on.actor.named_parameters() if "lora_B" in n and float(p.detach().abs().sum()) > 0}
+    assert any("q_proj" in n for n in moved) and any("k_proj" in n for n in moved)
