@@ -105,7 +105,8 @@ def selection_loss(
             held = mass.sum(-1)  # [b, h, c]
             target = mass / held.clamp(min=1e-12)[..., None]
         scores = torch.einsum("bhcd,bhpd->bhcp", qm[:, :, lo:hi], cents) * scaling
-        logp = scores.masked_fill(~mask, float("-inf")).log_softmax(-1).masked_fill(~mask, 0.0)
+        # A finite fill: rows with no candidate (not selecting) stay finite, and so do their gradients.
+        logp = scores.masked_fill(~mask, torch.finfo(scores.dtype).min).log_softmax(-1).masked_fill(~mask, 0.0)
         kl = (target * (target.clamp(min=1e-12).log() - logp)).sum(-1)  # [b, h, c]
         total = total + (kl * held * rows[:, None, :]).sum()
     return total / (count * h)

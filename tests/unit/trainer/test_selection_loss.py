@@ -55,5 +55,6 @@ def test_gradients_reach_queries_and_keys_and_no_selecting_position_gives_zero()
     loss.backward()
     assert float(loss.detach()) > 0
     assert float(q.grad.abs().sum()) > 0 and float(k.grad.abs().sum()) > 0
+    assert bool(torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all())  # positions that do not select too
     # Budgets covering every page: nothing is selected, nothing to learn.
     assert float(selection_loss(q, k, torch.full((1, 96), 6), sink=1, local=2)) == 0.0
