@@ -224,8 +224,7 @@ class DistillSparse:
         with self._theta_frozen():
             for epoch in range(c.epochs):
                 self.optimizer.zero_grad(set_to_none=True)
-                totals = {"loss": 0.0, "ppo_loss": 0.0, "kl": 0.0, "selection": 0.0, "tis_clip_fraction": 0.0}
-                totals["tokens"] = 0.0
+                totals = dict.fromkeys(("loss", "ppo_loss", "kl", "selection", "tis_clip_fraction", "tokens"), 0.0)
                 for i, mb in enumerate(batches):
                     selection: list | None = [] if c.selection_coef > 0 else None
                     logits = self._sparse_logits(mb, rollouts, rule, selection)

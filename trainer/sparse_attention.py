@@ -77,9 +77,8 @@ def selection_loss(
     device = query.device
     pos = torch.arange(t, device=device)
     n = pos // PAGE_SIZE + 1  # pages holding positions 0..t
-    cand = (torch.arange(pages, device=device)[None, :] >= sink) & (
-        torch.arange(pages, device=device)[None, :] < (n - local)[:, None]
-    )  # [t, pages]
+    page = torch.arange(pages, device=device)[None, :]
+    cand = (page >= sink) & (page < (n - local)[:, None])  # [t, pages]: neither sink nor local
     selecting = (n[None, :] > budgets.to(device)) & cand.any(-1)[None, :]  # [b, t]
     count = int(selecting.sum())
     if count == 0:
