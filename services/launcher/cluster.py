@@ -121,10 +121,14 @@ class Cluster:
         self._write()
         return child
 
-    def wait_ready(self, timeout_s: float, poll_s: float = 0.25) -> None:
-        """Block until every child is healthy; StartError when one exits first or `timeout_s` passes."""
+    def wait_ready(self, timeout_s: float, poll_s: float = 0.25, go_on: Callable[[], None] = lambda: None) -> None:
+        """Block until every child is healthy; StartError when one exits first or `timeout_s` passes.
+
+        `go_on` is called before every poll; what it raises (the launcher's interrupt) ends the wait.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
+            go_on()
             waiting = [c for c in self.children.values() if not c.ready]
             for child in waiting:
                 code = child.returncode

@@ -16,6 +16,7 @@ import logging
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,12 +84,51 @@ def build_model(plan: RunPlan, progress) -> None:
         raise RunError(f"building the {size} model failed ({describe_exit(code)}); see {logfile}")
 
 
+class Interrupts:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, and are remembered so that none is lost.
+
+    Both are installed explicitly: a process started in the background of a non-interactive shell inherits
+    SIGINT ignored, and Python then never raises KeyboardInterrupt, so Ctrl-C (or `kill -INT`) would do
+    nothing. The handler raises wherever the main thread is, which may be code that swallows the exception
+    (a finalizer run by the garbage collector: Python prints "Exception ignored" and goes on); `check`, called
+    at every poll of the run, raises it again.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received = threading.Event()
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received.set()
+        raise KeyboardInterrupt
+
+    def install(self) -> None:
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+
+    def ignore(self) -> None:
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
+
+    def restore(self) -> None:
+        for sig, before in self._previous.items():
+            signal.signal(sig, before)
+        self._previous = {}
+
+    def check(self) -> None:
+        """KeyboardInterrupt when a signal came (whether or not its first raise got through)."""
+        if self.received.is_set():
+            raise KeyboardInterrupt
+
+
 class UpRun:
     """A run being carried out."""
 
-    def __init__(self, plan: RunPlan, progress) -> None:
+    def __init__(self, plan: RunPlan, progress, interrupts: Interrupts | None = None) -> None:
         self.plan = plan
         self.progress = progress
+        self.interrupts = interrupts or Interrupts()
         self.cluster = Cluster(plan.run_dir, plan.up.timeouts.stop_grace_s)
         self.history: History | None = None
         self.exits: list[dict] = []
@@ -114,8 +154,9 @@ class UpRun:
         for phase in (("store", "monitor"), ("generator", "controller"), ("trainer",)):
             for spec in specs:
                 if spec.role in phase:
+                    self.interrupts.check()
                     self.cluster.start(spec)
-            self.cluster.wait_ready(timeout)
+            self.cluster.wait_ready(timeout, go_on=self.interrupts.check)
         self.progress.event("every service is healthy; training")
 
     def supervise(self) -> None:
@@ -140,6 +181,7 @@ class UpRun:
         )
         last_step = time.monotonic()
         while True:
+            self.interrupts.check()
             if self._take_rows():
                 last_step = time.monotonic()
             for child in self.cluster.exited():
@@ -230,14 +272,9 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
     write_run_files(plan)
     handler = _log_to(plan.run_dir)
     progress = progress_factory(plan)
-    run = UpRun(plan, progress)
-
-    def interrupt(*_):
-        raise KeyboardInterrupt
-
-    # Both installed explicitly: a process started in the background of a non-interactive shell inherits
-    # SIGINT ignored, and Python then never raises KeyboardInterrupt, so Ctrl-C (or `kill -INT`) would do nothing.
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    interrupts = Interrupts()
+    run = UpRun(plan, progress, interrupts)
+    interrupts.install()
     outcome, error, summary = FAILED, None, None
     try:
         log.info("run folder %s, config %s", plan.run_dir, json.dumps(up.dump_public()))
@@ -255,13 +292,11 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
         progress.event(f"failed: {error.splitlines()[0]}")
     finally:
         # Stopping must not be cut short by a second Ctrl-C: the children would be left running.
-        for sig in previous:
-            signal.signal(sig, signal.SIG_IGN)
+        interrupts.ignore()
         try:
             summary = run.finish(outcome, error)
         finally:
-            for sig, before in previous.items():
-                signal.signal(sig, before)
+            interrupts.restore()
             if summary is None:
                 progress.close()
             else:

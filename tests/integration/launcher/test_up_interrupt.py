@@ -57,7 +57,7 @@ def test_sigterm_while_starting_stops_what_was_started(tmp_path):
         code = up.wait(120)
     finally:
         up.kill()
-    assert code == 130
+    assert code == 130, up.proc.stderr.read()[-3000:]
     summary = up.lines[-1]
     assert summary["outcome"] == "interrupted" and summary["steps_done"] == 0 and summary["report"] is None
     started = processes(run_dir)

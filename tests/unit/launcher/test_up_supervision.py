@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from services.launcher.cluster import PROCESSES_FILE, Cluster, ServiceSpec, StartError
+from services.launcher.run import Interrupts
 from tests.cli_runner import REPO
 from tests.servers import wait_until
 
@@ -148,3 +150,32 @@ def test_children_do_not_outlive_a_launcher_killed_with_sigkill(tmp_path):
         launcher.wait()
         if child and _alive(child):
             os.kill(child, signal.SIGKILL)  # the test failed: leave nothing behind
+
+
+def test_a_sigterm_whose_keyboard_interrupt_is_swallowed_still_ends_the_start(tmp_path):
+    # The signal lands in code that swallows the KeyboardInterrupt (here a health check; in the wild a
+    # finalizer run by the garbage collector). The wait must end on it all the same, not time out or go on.
+    interrupts = Interrupts()
+    checks = []
+
+    def swallowing_check() -> bool:
+        checks.append(1)
+        try:
+            if len(checks) == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here, inside the try
+        except KeyboardInterrupt:
+            pass
+        return False
+
+    cluster = Cluster(tmp_path, stop_grace_s=1)
+    cluster.start(_spec(tmp_path, "gen-0", "generator", "import time; time.sleep(1000)", ready=swallowing_check))
+    interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.wait_ready(30, poll_s=0.05, go_on=interrupts.check)
+    finally:
+        interrupts.restore()
+        cluster.stop()
+    assert len(checks) == 2 and interrupts.received.is_set()
+    assert signal.getsignal(signal.SIGTERM) is not interrupts._handle  # restored
