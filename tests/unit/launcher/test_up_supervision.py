@@ -179,3 +179,31 @@ def test_a_sigterm_whose_keyboard_interrupt_is_swallowed_still_ends_the_start(tm
         cluster.stop()
     assert len(checks) == 2 and interrupts.received.is_set()
     assert signal.getsignal(signal.SIGTERM) is not interrupts._handle  # restored
+
+
+def test_a_signal_while_a_child_starts_comes_after_the_child_is_recorded(tmp_path, monkeypatch):
+    # The child sends the launcher SIGTERM between fork and exec, while Popen waits for the exec: the
+    # interrupt must come only once the child is recorded (to be stopped), and the child must still get
+    # SIGTERM itself (the held-back signals are not left blocked in it).
+    import services.launcher.cluster as cluster_module
+
+    original = cluster_module._die_with_parent
+
+    def signal_the_launcher_first() -> None:
+        os.kill(os.getppid(), signal.SIGTERM)
+        original()
+
+    monkeypatch.setattr(cluster_module, "_die_with_parent", signal_the_launcher_first)
+    interrupts = Interrupts()
+    cluster = Cluster(tmp_path, stop_grace_s=10)
+    stopped = tmp_path / "stopped.txt"
+    interrupts.install()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cluster.start(_spec(tmp_path, "gen-0", "generator", _records_sigterm(stopped, "gen-0")))
+    finally:
+        interrupts.restore()
+    assert list(cluster.children) == ["gen-0"]
+    cluster.wait_ready(30)
+    cluster.stop()
+    assert stopped.read_text().split() == ["gen-0"] and cluster.children["gen-0"].returncode == 0
