@@ -84,13 +84,7 @@ def describe_exit(code: int) -> str:
     return f"exit {code}"
 
 
-# Held back from the launcher while it starts a child, so that a Ctrl-C cannot land between the fork and the
-# child's being recorded (a child nobody would stop); delivered as soon as it is recorded.
-_DEFERRED = {signal.SIGINT, signal.SIGTERM}
-
-
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _DEFERRED)  # the mask is inherited: the service must get them
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -110,23 +104,19 @@ class Cluster:
         if spec.name in self.children:
             raise ValueError(f"service {spec.name} is started already")
         spec.log.parent.mkdir(parents=True, exist_ok=True)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-        try:
-            with spec.log.open("ab") as out:
-                process = subprocess.Popen(
-                    spec.argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=spec.env,
-                    cwd=spec.cwd,
-                    start_new_session=True,
-                    preexec_fn=_die_with_parent,
-                )
-            child = Child(spec, process, time.monotonic())
-            self.children[spec.name] = child
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        with spec.log.open("ab") as out:
+            process = subprocess.Popen(
+                spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=spec.env,
+                cwd=spec.cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+        child = Child(spec, process, time.monotonic())
+        self.children[spec.name] = child
         log.info("started %s (pid %d), log %s", spec.name, process.pid, spec.log)
         self._write()
         return child

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.launcher.accounting import WORK_FILE, account
@@ -91,7 +92,7 @@ class Interrupts:
     SIGINT ignored, and Python then never raises KeyboardInterrupt, so Ctrl-C (or `kill -INT`) would do
     nothing. The handler raises wherever the main thread is, which may be code that swallows the exception
     (a finalizer run by the garbage collector: Python prints "Exception ignored" and goes on); `check`, called
-    at every poll of the run, raises it again.
+    at every poll of the run, raises it again. Inside `deferred()` a signal is only remembered.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -99,10 +100,12 @@ class Interrupts:
     def __init__(self) -> None:
         self.received = threading.Event()
         self._previous: dict = {}
+        self._deferring = False
 
     def _handle(self, signum, frame) -> None:
         self.received.set()
-        raise KeyboardInterrupt
+        if not self._deferring:
+            raise KeyboardInterrupt
 
     def install(self) -> None:
         self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
@@ -120,6 +123,16 @@ class Interrupts:
         """KeyboardInterrupt when a signal came (whether or not its first raise got through)."""
         if self.received.is_set():
             raise KeyboardInterrupt
+
+    @contextmanager
+    def deferred(self):
+        """A signal inside the block raises only when it ends (the handler always runs in the main thread)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        self.check()
 
 
 class UpRun:
@@ -154,8 +167,9 @@ class UpRun:
         for phase in (("store", "monitor"), ("generator", "controller"), ("trainer",)):
             for spec in specs:
                 if spec.role in phase:
-                    self.interrupts.check()
-                    self.cluster.start(spec)
+                    # Not inside the start: a child started but not yet recorded would be left running.
+                    with self.interrupts.deferred():
+                        self.cluster.start(spec)
             self.cluster.wait_ready(timeout, go_on=self.interrupts.check)
         self.progress.event("every service is healthy; training")
 
