@@ -138,10 +138,10 @@ class Interrupts:
 class UpRun:
     """A run being carried out."""
 
-    def __init__(self, plan: RunPlan, progress, interrupts: Interrupts | None = None) -> None:
+    def __init__(self, plan: RunPlan, progress, interrupts: Interrupts) -> None:
         self.plan = plan
         self.progress = progress
-        self.interrupts = interrupts or Interrupts()
+        self.interrupts = interrupts
         self.cluster = Cluster(plan.run_dir, plan.up.timeouts.stop_grace_s)
         self.history: History | None = None
         self.exits: list[dict] = []
