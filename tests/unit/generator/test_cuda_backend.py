@@ -21,6 +21,7 @@ naive oracle of the kernel tests (`kernel_oracle.sparse_decode`: scores, selecti
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -242,8 +243,12 @@ class ImplDriver:
 
 @pytest.fixture
 def stock(monkeypatch):
-    """Calls of the stock Triton kernel as (rows, tokens); on CPU it is a float64 stand-in, else None."""
-    if DEVICE == "cuda":
+    """Calls of the stock Triton kernel as (rows, tokens); on CPU it is a float64 stand-in, else None.
+
+    None also where vLLM is not installed: only the "impl" driver calls the stock kernel, and it
+    skips without vLLM (`bench/cuda_check.py --dry-run` runs the "core" tests so, as on a GPU
+    machine without vLLM)."""
+    if DEVICE == "cuda" or importlib.util.find_spec("vllm") is None:
         yield None
         return
     from vllm.v1.attention.backends import triton_attn
