@@ -18,7 +18,9 @@ from .decode import (
 )
 from .layout import PAGE_SIZE, num_pages
 from .select import (
+    DecodeBounds,
     budget_pages,
+    decode_bounds,
     group_mean_query,
     score_blocks,
     score_blocks_ref,
@@ -39,12 +41,14 @@ from .workspace import Workspace
 
 __all__ = [
     "BACKENDS",
+    "DecodeBounds",
     "PAGE_SIZE",
     "resolve_backend",
     "Workspace",
     "as_paged_cache",
     "block_sparse_decode",
     "budget_pages",
+    "decode_bounds",
     "group_mean_query",
     "new_centroids",
     "num_pages",

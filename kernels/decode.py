@@ -15,7 +15,7 @@ import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend, triton_interpreted
 from .layout import PAGE_SIZE, check_centroids, check_paged_cache, flat_page_index, num_pages
-from .select import score_blocks, select_blocks
+from .select import DecodeBounds, score_blocks, select_blocks
 from .workspace import Workspace
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -289,6 +289,7 @@ def sparse_decode_attention_triton(
     workspace: Workspace | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
     """Triton twin of `sparse_decode_attention_ref`: flash-decoding with split-K over the selected pages.
 
@@ -297,8 +298,9 @@ def sparse_decode_attention_triton(
     there is one). `page_indices` None attends to every page (dense); -1 entries are skipped.
     `num_splits` defaults to what fills the device; `block_n` (tokens per inner step) to 64, or 16
     for a float32 cache on a GPU, where the FMA-based float32 dot would spill registers at 64.
+    With `bounds` (lengths known on the host) the checks read nothing from the device: no host sync.
     """
-    check_paged_cache(k_cache, v_cache, block_table, seq_lens)
+    check_paged_cache(k_cache, v_cache, block_table, seq_lens, None if bounds is None else bounds.max_seq_len)
     check_decode_inputs(q, k_cache, page_indices, seq_lens)
     if k_cache.dtype not in CACHE_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k/v caches must share one dtype of {CACHE_DTYPES}, got {k_cache.dtype} and {v_cache.dtype}")
@@ -398,19 +400,24 @@ def sparse_decode_attention(
     scale: float | None = None,
     workspace: Workspace | None = None,
     backend: str = "auto",
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
     """Attention output [rows, q_heads, head_dim] of one query token per row over the selected pages.
 
     `page_indices` None is dense. `backend`: see `kernels.backend.resolve_backend`; the CPU
     extension computes no gradients, so with gradients wanted the torch reference runs instead.
+    `bounds` reach the Triton kernel only (see `DecodeBounds`).
     """
     which = _decode_backend(backend, q, k_cache, v_cache)
     if which == "cpu":
         from .cpu import sparse_decode_attention_cpu
 
         return sparse_decode_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale)
-    impl = sparse_decode_attention_triton if which == "triton" else sparse_decode_attention_ref
-    return impl(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace)
+    if which == "triton":
+        return sparse_decode_attention_triton(
+            q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace, bounds=bounds
+        )
+    return sparse_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace)
 
 
 def _decode_backend(backend: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str:
@@ -432,16 +439,22 @@ def block_sparse_decode(
     scale: float | None = None,
     workspace: Workspace | None = None,
     backend: str = "auto",
+    bounds: DecodeBounds | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block-sparse decode step: score the pages, select per row and KV head, attend.
 
     `budgets` [rows] are in pages (sink and local included); a budget of at least the row's page
     count is dense. `centroids` must be current (see `update_centroids`). Returns the output
     [rows, q_heads, head_dim] and the selected page indices int32 [rows, kv_heads, width] (-1 padded).
+    On the Triton path, `bounds` (`decode_bounds` of the rows' lengths and budgets as the host
+    knows them) make the step free of host syncs: without them each kernel's checks and output
+    sizes read the longest row from the device.
     """
     check_centroids(centroids, k_cache)
     which = resolve_backend(backend, q)
-    scores = score_blocks(q, centroids, k_cache, block_table, seq_lens, backend=which)
-    pages = select_blocks(scores, seq_lens, budgets, sink, local, backend=which)
-    out = sparse_decode_attention(q, k_cache, v_cache, block_table, seq_lens, pages, scale, workspace, backend=which)
+    scores = score_blocks(q, centroids, k_cache, block_table, seq_lens, backend=which, bounds=bounds)
+    pages = select_blocks(scores, seq_lens, budgets, sink, local, backend=which, bounds=bounds)
+    out = sparse_decode_attention(
+        q, k_cache, v_cache, block_table, seq_lens, pages, scale, workspace, backend=which, bounds=bounds
+    )
     return out, pages

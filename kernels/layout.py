@@ -28,8 +28,13 @@ def check_paged_cache(
     v_cache: torch.Tensor | None,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    max_seq_len: int | None = None,
 ) -> None:
-    """Raise ValueError with a clear message when the cache tensors do not fit the layout above."""
+    """Raise ValueError with a clear message when the cache tensors do not fit the layout above.
+
+    `max_seq_len`, a bound on `seq_lens` the caller knows on the host (`DecodeBounds`), replaces
+    reading the lengths from the device: the row-length checks are then the caller's.
+    """
     if k_cache.dim() != 4:
         raise ValueError(
             f"k_cache must be [num_blocks, kv_heads, block_size, head_dim], got shape {tuple(k_cache.shape)}"
@@ -48,6 +53,13 @@ def check_paged_cache(
             f"seq_lens must be 1-D with one entry per block_table row ({block_table.shape[0]}), "
             f"got {tuple(seq_lens.shape)}"
         )
+    if max_seq_len is not None:
+        if max_seq_len > block_table.shape[1] * block_size:
+            raise ValueError(
+                f"a row holds up to {max_seq_len} tokens but block_table has room for "
+                f"{block_table.shape[1] * block_size}"
+            )
+        return
     if seq_lens.numel() and int(seq_lens.max()) > block_table.shape[1] * block_size:
         raise ValueError(
             f"a row holds {int(seq_lens.max())} tokens but block_table has room for {block_table.shape[1] * block_size}"

@@ -10,12 +10,49 @@ Selection, per row and KV head, for a row of `n` pages and a budget of `k` pages
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend
 from .layout import PAGE_SIZE, check_centroids, check_paged_cache, flat_page_index, num_pages
+
+
+class DecodeBounds(NamedTuple):
+    """What a decode step's Triton kernels would otherwise read from the device, known on the host.
+
+    `max_seq_len`: at least the longest row (sizes the score buffer and the selection tile);
+    `width`: at least the most pages any row selects, min(pages, budget) (sizes the selection).
+    Upper bounds are safe (wider buffers, -inf and -1 padded); anything less is not checked on
+    the device and cuts rows short. Build them with `decode_bounds`, which checks the rows as the
+    kernels' own checks would.
+    """
+
+    max_seq_len: int
+    width: int
+
+
+def decode_bounds(seq_lens: Sequence[int], budgets: Sequence[int], sink: int, local: int) -> DecodeBounds:
+    """`DecodeBounds` of rows of these lengths and budgets (in pages), checked as the kernels check them.
+
+    Plain Python over host values: what spares a GPU decode step its host syncs.
+    """
+    if len(seq_lens) != len(budgets):
+        raise ValueError(f"{len(seq_lens)} lengths but {len(budgets)} budgets")
+    if sink < 0 or local < 0:
+        raise ValueError(f"sink ({sink}) and local ({local}) page counts must be >= 0")
+    longest, width = 0, 0
+    for n_tokens, k in zip(seq_lens, budgets, strict=True):
+        if n_tokens < 1:
+            raise ValueError("every row must hold at least one cached token")
+        n = (n_tokens + PAGE_SIZE - 1) // PAGE_SIZE
+        if n > k and k < sink + local:
+            raise ValueError(f"a budget of fewer than {sink + local} pages cannot hold the sink and local pages")
+        longest, width = max(longest, n_tokens), max(width, min(n, k))
+    return DecodeBounds(longest, width)
 
 
 def group_mean_query(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -32,9 +69,10 @@ def check_score_inputs(
     k_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    max_seq_len: int | None = None,
 ) -> None:
     """Raise ValueError when the query, the centroids and the cache do not fit together."""
-    check_paged_cache(k_cache, None, block_table, seq_lens)
+    check_paged_cache(k_cache, None, block_table, seq_lens, max_seq_len)
     check_centroids(centroids, k_cache)
     if q.dim() != 3 or q.shape[0] != seq_lens.shape[0]:
         raise ValueError(f"q must be [rows={seq_lens.shape[0]}, q_heads, head_dim], got shape {tuple(q.shape)}")
@@ -68,9 +106,17 @@ def score_blocks_ref(
 
 
 def check_selection_inputs(
-    scores: torch.Tensor, seq_lens: torch.Tensor, budgets: torch.Tensor, sink: int, local: int
+    scores: torch.Tensor,
+    seq_lens: torch.Tensor,
+    budgets: torch.Tensor,
+    sink: int,
+    local: int,
+    bounds: DecodeBounds | None = None,
 ) -> None:
-    """Raise ValueError when scores, lengths and budgets (in pages) do not fit the selection rule."""
+    """Raise ValueError when scores, lengths and budgets (in pages) do not fit the selection rule.
+
+    With `bounds` (checked on the host by `decode_bounds`) nothing is read from the device.
+    """
     if scores.dim() != 3:
         raise ValueError(f"scores must be [rows, kv_heads, pages], got shape {tuple(scores.shape)}")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != scores.shape[0]:
@@ -79,6 +125,10 @@ def check_selection_inputs(
         raise ValueError(f"budgets {tuple(budgets.shape)} and seq_lens {tuple(seq_lens.shape)} must match")
     if sink < 0 or local < 0:
         raise ValueError(f"sink ({sink}) and local ({local}) page counts must be >= 0")
+    if bounds is not None:
+        if (bounds.max_seq_len + PAGE_SIZE - 1) // PAGE_SIZE > scores.shape[2]:
+            raise ValueError(f"scores hold {scores.shape[2]} pages but a row may have {bounds.max_seq_len} tokens")
+        return
     if seq_lens.numel() == 0:
         return
     n = num_pages(seq_lens.long())
@@ -210,9 +260,14 @@ def score_blocks_triton(
     k_cache: torch.Tensor,
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
-    """Triton twin of `score_blocks_ref`: pages' centroids gathered through the block table and scored."""
-    check_score_inputs(q, centroids, k_cache, block_table, seq_lens)
+    """Triton twin of `score_blocks_ref`: pages' centroids gathered through the block table and scored.
+
+    With `bounds` the score width is `bounds.max_seq_len`'s pages and nothing is read from the device.
+    """
+    max_seq_len = None if bounds is None else bounds.max_seq_len
+    check_score_inputs(q, centroids, k_cache, block_table, seq_lens, max_seq_len)
     if centroids.dtype != torch.float32:
         raise ValueError(f"centroids must be float32, got {centroids.dtype}")
     if not q.is_floating_point():
@@ -221,7 +276,10 @@ def score_blocks_triton(
     check_unit_stride(q=q, centroids=centroids)
     rows, hq, d = q.shape
     h = centroids.shape[1]
-    max_pages = int(num_pages(seq_lens.long()).max()) if rows else 0
+    if max_seq_len is not None:
+        max_pages = (max_seq_len + PAGE_SIZE - 1) // PAGE_SIZE if rows else 0
+    else:
+        max_pages = int(num_pages(seq_lens.long()).max()) if rows else 0
     out = torch.empty(rows, h, max_pages, dtype=torch.float32, device=q.device)
     if rows == 0 or max_pages == 0:
         return out
@@ -317,21 +375,26 @@ def select_blocks_triton(
     budgets: torch.Tensor,
     sink: int = 1,
     local: int = 2,
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
     """Triton twin of `select_blocks_ref`, selection bit-identical for the same scores.
 
     Exact top-k per (row, KV head) without sorting: scores map to order-preserving int32 keys, the
     k-th largest key is found by a 32-step bisection of counts, and ties at it go to the lowest page
-    indices through a prefix sum. NaN scores are not supported.
+    indices through a prefix sum. NaN scores are not supported. With `bounds` the output is
+    `bounds.width` wide (-1 padded) and nothing is read from the device.
     """
-    check_selection_inputs(scores, seq_lens, budgets, sink, local)
+    check_selection_inputs(scores, seq_lens, budgets, sink, local, bounds)
     if scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32, got {scores.dtype}")
     if seq_lens.is_floating_point() or budgets.is_floating_point():
         raise ValueError("seq_lens and budgets must be integer tensors")
     check_same_device(scores=scores, seq_lens=seq_lens, budgets=budgets)
     rows, h, max_pages = scores.shape
-    width = int(torch.minimum(num_pages(seq_lens.long()), budgets.long()).max()) if rows else 0
+    if bounds is not None:
+        width = min(bounds.width, max_pages) if rows else 0
+    else:
+        width = int(torch.minimum(num_pages(seq_lens.long()), budgets.long()).max()) if rows else 0
     out = torch.empty(rows, h, width, dtype=torch.int32, device=scores.device)
     if rows == 0 or width == 0:
         return out
@@ -361,19 +424,22 @@ def score_blocks(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     backend: str = "auto",
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
     """Scores [rows, kv_heads, max_pages] float32 of every page; see `score_blocks_ref` and `resolve_backend`.
 
     The backends sum the dot products in different orders, so near-ties may rank differently:
     whoever must reproduce another's selection (trainer vs engine) uses the same backend.
+    `bounds` reach the Triton kernel only (the others run where reading lengths costs no sync).
     """
     which = resolve_backend(backend, q)
     if which == "cpu":
         from .cpu import score_blocks_cpu
 
         return score_blocks_cpu(q, centroids, k_cache, block_table, seq_lens)
-    impl = score_blocks_triton if which == "triton" else score_blocks_ref
-    return impl(q, centroids, k_cache, block_table, seq_lens)
+    if which == "triton":
+        return score_blocks_triton(q, centroids, k_cache, block_table, seq_lens, bounds)
+    return score_blocks_ref(q, centroids, k_cache, block_table, seq_lens)
 
 
 def select_blocks(
@@ -383,12 +449,16 @@ def select_blocks(
     sink: int = 1,
     local: int = 2,
     backend: str = "auto",
+    bounds: DecodeBounds | None = None,
 ) -> torch.Tensor:
-    """Selected page indices int32 [rows, kv_heads, width], ascending, -1 padded; budgets in pages."""
+    """Selected page indices int32 [rows, kv_heads, width], ascending, -1 padded; budgets in pages.
+
+    `bounds` reach the Triton kernel only, as in `score_blocks`."""
     which = resolve_backend(backend, scores)
     if which == "cpu":
         from .cpu import select_blocks_cpu
 
         return select_blocks_cpu(scores, seq_lens, budgets, sink, local)
-    impl = select_blocks_triton if which == "triton" else select_blocks_ref
-    return impl(scores, seq_lens, budgets, sink, local)
+    if which == "triton":
+        return select_blocks_triton(scores, seq_lens, budgets, sink, local, bounds)
+    return select_blocks_ref(scores, seq_lens, budgets, sink, local)

@@ -20,8 +20,10 @@ CUDA graphs: the builder declares `AttentionCGSupport.NEVER`, so vLLM turns its 
 FULL_AND_PIECEWISE into PIECEWISE: the layers between attentions replay as captured graphs and
 attention runs eagerly (vLLM refuses an explicit FULL mode with a message). Full graphs cannot hold
 this decode as written: the kernel wrappers size their outputs (score width, selection width) from
-the data, reading the longest row on the host, and a graph would replay the sizes of its capture.
-Eager attention also pays those host reads (a few per layer and step).
+the step's lengths, and a graph would replay the sizes of its capture. Those sizes come from the
+host, not the device: the builder keeps the decode rows' lengths from vLLM's CPU copy
+(`decode_seq_lens_cpu`), and the decode reads nothing back from the GPU (no host sync) in a step
+of decodes; a step with prefill chunks pays one, finding the pages the chunks wrote.
 
 Memory: the centroid tables (float32, one row per 16 tokens of cache) are allocated on the first
 forward, outside vLLM's KV budget: about 1/16 of the KV cache's bytes in bf16, 1/32 in float32.
@@ -54,13 +56,25 @@ class SparrowTritonMetadata(TritonAttentionMetadata):
 
     num_decodes: int = 0
     num_decode_tokens: int = 0
+    decode_seq_lens_cpu: torch.Tensor | None = None  # the decode rows' lengths on the host
 
 
-def with_decode_split(metadata: TritonAttentionMetadata, common: CommonAttentionMetadata) -> SparrowTritonMetadata:
-    """`metadata` with the batch's decode rows counted (host-side, from the CPU copy of query_start_loc)."""
+def with_decode_split(
+    metadata: TritonAttentionMetadata, common: CommonAttentionMetadata, cpu_lens_exact: bool = True
+) -> SparrowTritonMetadata:
+    """`metadata` with the batch's decode rows counted (host-side, from the CPU copy of query_start_loc)
+    and their lengths on the host: vLLM's CPU copy where it is exact (`cpu_lens_exact`: it is but for
+    speculative decoding, where it may run ahead), else read from the device, once per step."""
     num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(common, decode_threshold=1)
     values = {f.name: getattr(metadata, f.name) for f in fields(TritonAttentionMetadata)}
-    return SparrowTritonMetadata(**values, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens)
+    lens = common.seq_lens_cpu_upper_bound
+    if lens is None or not cpu_lens_exact:
+        lens_cpu = common.seq_lens[:num_decodes].cpu()
+    else:
+        lens_cpu = lens[:num_decodes]
+    return SparrowTritonMetadata(
+        **values, num_decodes=num_decodes, num_decode_tokens=num_decode_tokens, decode_seq_lens_cpu=lens_cpu
+    )
 
 
 def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
@@ -78,6 +92,7 @@ def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
         causal=causal,
         num_decodes=0,
         num_decode_tokens=0,
+        decode_seq_lens_cpu=None,
     )
 
 
@@ -101,10 +116,11 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         # vLLM then orders each batch decode rows first, so they are a prefix the impl slices off.
         self._init_reorder_batch_threshold(1)
         self.supports_draft_decode_metadata_update = False
+        self.cpu_lens_exact = vllm_config.speculative_config is None
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparrowTritonMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return with_decode_split(metadata, common_attn_metadata)
+        return with_decode_split(metadata, common_attn_metadata, self.cpu_lens_exact)
 
 
 class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
@@ -190,7 +206,8 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
         q = query[:decodes].view(decodes, self.num_heads, self.head_size)
         out = output[:decodes].view(decodes, self.num_heads, self.head_size)
         block_table, seq_lens = attn_metadata.block_table[:decodes], attn_metadata.seq_lens[:decodes]
-        out.copy_(self.decode_rows(q, k_cache, v_cache, block_table, seq_lens))
+        lens_cpu = attn_metadata.decode_seq_lens_cpu
+        out.copy_(self.decode_rows(q, k_cache, v_cache, block_table, seq_lens, seq_lens_cpu=lens_cpu))
         if decode_tokens < tokens:
             rest = slice(decode_tokens, None)
             super().forward(

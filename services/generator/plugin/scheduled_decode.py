@@ -5,6 +5,13 @@ schedule's dense layers; otherwise under the schedule's budget at the row's curr
 (sink + local + top-k pages by centroid score, `kernels.block_sparse_decode`), every row and KV
 head in one batch. A row with no more pages than its budget attends to all of them.
 
+Host syncs: on a GPU every read of a device value on the host stalls the CPU until the GPU has
+caught up, and with attention run eagerly between CUDA-graph pieces that is paid per layer. Given
+the rows' lengths as the host knows them (`seq_lens_cpu`, from vLLM's CPU copy), a decode reads
+nothing from the device: the budgets are looked up on the device from a table, the sizes the
+kernels need (`kernels.DecodeBounds`) are worked out on the host once per step for every layer,
+and tables go to the device by non-blocking copies from pinned memory.
+
 Probes: while a probe plan is set, rows whose request id carries `PROBE_PREFIX` take the plan's
 budget instead of the schedule's (same bins, sink and local blocks). Which request a row belongs to
 is read from the model runner's batch (`row_ids`, set with the plan), in row order.
@@ -17,16 +24,25 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import torch
 
-from kernels import Workspace, block_sparse_decode, sparse_decode_attention
+from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, sparse_decode_attention
 from sparrow.schedule import Schedule
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
 PROBE_PREFIX = "probe:"
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, without a host sync on CUDA (a non-blocking copy from pinned memory)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 def layer_index_of(layer_name: str) -> int:
@@ -88,6 +104,8 @@ class ScheduledDecode:
     _budget_table: tuple[Schedule, torch.Tensor] | None = None
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
+    # The last step's bounds, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds).
+    _last_bounds: ClassVar[tuple | None] = None
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense)."""
@@ -118,7 +136,7 @@ class ScheduledDecode:
         cached = self._budget_table
         if cached is None or cached[0] is not s or cached[1].device != seq_lens.device:
             pages = [b // s.page_size for b in s.budgets]
-            cached = (s, torch.tensor(pages, dtype=torch.int64, device=seq_lens.device))
+            cached = (s, to_device(pages, torch.int64, seq_lens.device))
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
         budgets = cached[1][bins]
@@ -129,7 +147,7 @@ class ScheduledDecode:
             return budgets
         table = self._probe_table
         if table is None or table[0] != self.probe_pages or table[1].device != seq_lens.device:
-            table = (self.probe_pages, torch.tensor(self.probe_pages, dtype=torch.int64, device=seq_lens.device))
+            table = (self.probe_pages, to_device(list(self.probe_pages), torch.int64, seq_lens.device))
             self._probe_table = table
         return torch.where(probing, table[1][bins], budgets)
 
@@ -142,12 +160,39 @@ class ScheduledDecode:
         if cached is None or cached[0] != key or (cached[1] is not None and cached[1].device != device):
             flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in key]
             flags += [False] * (n - len(flags))
-            cached = (key, torch.tensor(flags, dtype=torch.bool, device=device) if any(flags) else None)
+            cached = (key, to_device(flags, torch.bool, device) if any(flags) else None)
             self._probe_rows = cached
         mask = cached[1]
         if mask is None:
             return None
         return mask if rows is None else mask[rows]
+
+    def host_bounds(self, seq_lens_cpu: torch.Tensor) -> DecodeBounds:
+        """`DecodeBounds` of the batch's first rows from their lengths on the host (see module doc).
+
+        Pure Python past one `tolist`, and computed once per step: the layers of a step share the
+        metadata's CPU lengths (the same tensor), the schedule and the probe plan.
+        """
+        s = self.schedule
+        probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
+        ids = tuple(self.row_ids()[: seq_lens_cpu.shape[0]]) if probing and self.row_ids is not None else None
+        last = ScheduledDecode._last_bounds
+        if last is not None and last[0] is seq_lens_cpu and last[1] is s and last[2] == (self.probe_pages, ids):
+            return last[3]
+        lens = seq_lens_cpu.tolist()
+        if s is None:
+            bounds = DecodeBounds(max(lens, default=0), 0)
+        else:
+            pages = [b // s.page_size for b in s.budgets]
+            top = s.num_bins - 1
+            budgets = [pages[min(n // s.bin_width, top)] for n in lens]
+            if ids is not None:
+                for r, rid in enumerate(ids):
+                    if rid is not None and rid.startswith(PROBE_PREFIX):
+                        budgets[r] = self.probe_pages[min(lens[r] // s.bin_width, top)]
+            bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
+        ScheduledDecode._last_bounds = (seq_lens_cpu, s, (self.probe_pages, ids), bounds)
+        return bounds
 
     def decode_rows(
         self,
@@ -157,13 +202,28 @@ class ScheduledDecode:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         rows: torch.Tensor | None = None,
+        seq_lens_cpu: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Output [rows, q_heads, head_dim] of one query token per row under the schedule (see module doc).
 
-        `rows`: the batch row of each of these rows when they are not the batch's first rows in order."""
+        `rows`: the batch row of each of these rows when they are not the batch's first rows in order.
+        `seq_lens_cpu`: `seq_lens` on the host (the same values), for the batch's first rows only;
+        with it nothing is read from the device (see module doc)."""
+        if seq_lens_cpu is not None and rows is not None:
+            raise ValueError("seq_lens_cpu is for the batch's first rows in order, not for a subset (rows)")
+        bounds = None if seq_lens_cpu is None else self.host_bounds(seq_lens_cpu)
         if self.decodes_densely():
             return sparse_decode_attention(
-                q, k_cache, v_cache, block_table, seq_lens, None, self.scale, self.workspace, backend=self.backend
+                q,
+                k_cache,
+                v_cache,
+                block_table,
+                seq_lens,
+                None,
+                self.scale,
+                self.workspace,
+                backend=self.backend,
+                bounds=bounds,
             )
         s = self.schedule
         out, _ = block_sparse_decode(
@@ -179,5 +239,6 @@ class ScheduledDecode:
             self.scale,
             self.workspace,
             backend=self.backend,
+            bounds=bounds,
         )
         return out

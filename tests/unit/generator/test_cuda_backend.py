@@ -21,13 +21,17 @@ naive oracle of the kernel tests (`kernel_oracle.sparse_decode`: scores, selecti
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from kernels import PAGE_SIZE, Workspace, new_centroids, update_centroids_ref
 from services.generator.plugin import scheduled_decode
@@ -170,14 +174,19 @@ class CoreDriver:
     def centroids(self) -> torch.Tensor:
         return self.page_centroids.table
 
-    def run(self, step: Step) -> torch.Tensor | None:
+    def prepare(self, step: Step) -> torch.Tensor:
+        """The decode rows' lengths on the host, as the impl takes them from vLLM's metadata."""
+        return step.seq_lens[: step.num_decodes].cpu()
+
+    def run(self, step: Step, lens_cpu: torch.Tensor | None = None) -> torch.Tensor | None:
         b, nd = self.batch, step.num_decodes
+        lens_cpu = self.prepare(step) if lens_cpu is None else lens_cpu
         # Padding slots included: they must land in the scratch block.
         self.page_centroids.refresh(b.k_cache, step.slots, one_token_per_page=nd == len(step.q_lens))
         if not nd:
             return None
-        q = step.query[:nd]
-        return self.decoder.decode_rows(q, b.k_cache, b.v_cache, b.block_table[:nd], step.seq_lens[:nd])
+        q, table, lens = step.query[:nd], b.block_table[:nd], step.seq_lens[:nd]
+        return self.decoder.decode_rows(q, b.k_cache, b.v_cache, table, lens, seq_lens_cpu=lens_cpu)
 
 
 class ImplDriver:
@@ -198,6 +207,9 @@ class ImplDriver:
     def centroids(self) -> torch.Tensor:
         return self.impl.centroids
 
+    def prepare(self, step: Step):
+        return self.metadata(step)
+
     def metadata(self, step: Step):
         from vllm.v1.attention.backend import CommonAttentionMetadata
         from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
@@ -209,6 +221,7 @@ class ImplDriver:
             query_start_loc=step.query_start_loc,
             query_start_loc_cpu=step.query_start_loc.cpu(),
             seq_lens=step.seq_lens,
+            seq_lens_cpu_upper_bound=step.seq_lens.cpu(),  # exact: no speculative decoding
             num_reqs=rows,
             num_actual_tokens=step.tokens,
             max_query_len=max(step.q_lens),
@@ -234,10 +247,11 @@ class ImplDriver:
         )
         return with_decode_split(stock, common)
 
-    def run(self, step: Step) -> torch.Tensor:
+    def run(self, step: Step, metadata=None) -> torch.Tensor:
+        metadata = self.metadata(step) if metadata is None else metadata
         output = torch.full((step.tokens + 3, KV_HEADS * GROUP, HEAD_DIM), float("nan"), device=DEVICE)
         padded = (torch.cat([x, x[:3] * 0]) for x in (step.query, step.key, step.value))
-        self.impl.forward(self.layer, *padded, self.batch.kv_cache, self.metadata(step), output)
+        self.impl.forward(self.layer, *padded, self.batch.kv_cache, metadata, output)
         return output[: step.tokens]
 
 
@@ -384,6 +398,128 @@ def test_dense_layers_and_no_schedule_stay_dense(kind, schedule, stock):
             torch.testing.assert_close(ran.prefilled.double().cpu(), want[nd:], **tol)
         if ran.stock_calls is not None:
             assert ran.stock_calls == [(len(step.q_lens), step.tokens)]
+
+
+# Calls that bring a tensor's values to the host: each is a host sync when the tensor is on a GPU.
+HOST_READS = {
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.__int__,
+    torch.Tensor.cpu,
+    torch.Tensor.item,
+    torch.Tensor.nonzero,
+    torch.Tensor.numpy,
+    torch.Tensor.tolist,
+    torch.masked_select,
+    torch.nonzero,
+}
+PROJECT = Path(__file__).resolve().parents[3]
+TORCH = Path(torch.__file__).resolve().parent
+
+
+class HostReads(TorchFunctionMode):
+    """Records every read of tensor values on the host made by the project's own code, but of `allowed`.
+
+    A CPU has no host syncs to count, so this catches what would be one on a GPU by the calls that
+    cause them: scalar conversions, `tolist`/`cpu`/`numpy`, and outputs shaped by the data (nonzero,
+    masked_select, indexing by a boolean mask). On a GPU the test also turns torch's sync check to
+    "error", which sees every sync, whoever makes it."""
+
+    def __init__(self, allowed: tuple[torch.Tensor, ...] = ()) -> None:
+        super().__init__()
+        self.allowed = allowed
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if tensor is not None and not any(tensor is a for a in self.allowed) and self._reads(func, args):
+            where = self._project_caller()
+            if where is not None:
+                self.reads.append(f"{getattr(func, '__name__', func)} at {where}")
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _reads(func, args) -> bool:
+        if func in HOST_READS:
+            return True
+        if func is torch.Tensor.__getitem__:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        return False
+
+    @staticmethod
+    def _project_caller() -> str | None:
+        """`file:line` of the first caller outside torch when it is the project's code (not a test's)."""
+        frame = sys._getframe(2)
+        while frame is not None and Path(frame.f_code.co_filename).resolve().is_relative_to(TORCH):
+            frame = frame.f_back
+        if frame is None:
+            return None
+        path = Path(frame.f_code.co_filename).resolve()
+        if not path.is_relative_to(PROJECT) or path.relative_to(PROJECT).parts[0] not in ("kernels", "services"):
+            return None
+        return f"{path.relative_to(PROJECT)}:{frame.f_lineno}"
+
+
+@contextlib.contextmanager
+def no_host_syncs():
+    """On a GPU, any host sync inside raises (torch's sync debug mode); on a CPU there are none."""
+    if DEVICE != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", DRIVERS)
+@pytest.mark.parametrize("layer", [SPARSE_LAYER, 0], ids=["sparse-layer", "dense-layer"])
+def test_a_step_of_decodes_reads_nothing_back_from_the_device(kind, layer, stock):
+    # Attention runs eagerly between vLLM's CUDA-graph pieces, so a host sync there would stall the
+    # CPU once per layer and step. The step's sizes come from the host lengths in the metadata.
+    decode_steps = 0
+    batch = PagedBatch(len(PROMPTS) + 1, max(PROMPTS) + sum(CHUNKS) + 8)
+    driver = make_driver(kind, batch, layer, SMALL)
+    for q_lens in steps():
+        step = batch.step(q_lens)
+        prepared = driver.prepare(step)  # vLLM's builder, once per step
+        if step.num_decodes < len(q_lens):
+            driver.run(step, prepared)
+            continue
+        host_lens = prepared if kind == "core" else prepared.decode_seq_lens_cpu
+        with HostReads(allowed=(host_lens,)) as seen, no_host_syncs():
+            out = driver.run(step, prepared)
+        assert seen.reads == []
+        want = dense_reference(batch, step) if layer == 0 else None
+        if want is not None:  # the step still computed what it should
+            torch.testing.assert_close(out.double().cpu(), want, **(STOCK_TOL if kind == "impl" else TOL))
+        decode_steps += 1
+    assert decode_steps == 3
+
+
+def test_host_reads_are_caught():
+    # The check above can fail: the kernels' own length checks read the device when no bounds are given.
+    from kernels import block_sparse_decode
+
+    batch = PagedBatch(2, 80, seed=5)
+    batch.step([40, 70])
+    step = batch.step([1, 1])
+    cents = PageCentroids(batch.k_cache)
+    cents.refresh(batch.k_cache, torch.arange(0, 16 * 40, device=DEVICE)[:0])
+    budgets = torch.tensor([3, 3], device=DEVICE)
+    with HostReads() as seen:
+        block_sparse_decode(
+            step.query, batch.k_cache, batch.v_cache, cents.table, batch.block_table, step.seq_lens, budgets
+        )
+    assert any(r.startswith("__int__ at kernels/layout.py") for r in seen.reads), seen.reads
+    with HostReads() as seen:
+        page_ends(step.slots)
+    assert any(r.startswith("__getitem__ at services/generator/plugin/page_centroids.py") for r in seen.reads)
 
 
 def test_page_centroids_refresh_only_the_pages_written():

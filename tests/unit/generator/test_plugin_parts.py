@@ -102,3 +102,35 @@ def test_probe_rows_take_the_probe_budget_by_request_id_and_the_rest_the_schedul
         assert impl.budget_pages(seq_lens[[1, 3]], torch.tensor([1, 3])).tolist() == [8, 4]
     impl.set_probe(None)
     assert impl.budget_pages(seq_lens).tolist() == [4, 8, 8, 4]
+
+
+def test_host_bounds_follow_the_schedule_and_the_probe_rows():
+    # The sizes a CUDA decode step takes from the host instead of the GPU: the longest row and the
+    # most pages a row selects, the same as the device-side budgets give, probe rows included.
+    from kernels import DecodeBounds, num_pages
+    from services.generator.plugin.scheduled_decode import PROBE_PREFIX, ScheduledDecode
+    from sparrow.schedule import Schedule
+
+    impl = ScheduledDecode()
+    impl.set_schedule(Schedule(budgets=(64, 128), bin_width=100))
+    lens = torch.tensor([50, 150, 150, 50])
+
+    def on_device():  # what the kernels would have read from the device
+        return int(torch.minimum(num_pages(lens), impl.budget_pages(lens)).max())
+
+    assert impl.host_bounds(lens) == DecodeBounds(150, 8) and on_device() == 8
+    ids = ["seq:a-1", f"{PROBE_PREFIX}b-2", "seq:c-3", f"{PROBE_PREFIX}d-4"]
+    impl.set_probe([3, 9], lambda: ids)
+    assert impl.host_bounds(lens) == DecodeBounds(150, 9) and on_device() == 9
+    ids[1] = "seq:b-2"  # the same step's lengths, another batch: not the cached bounds
+    assert impl.host_bounds(lens) == DecodeBounds(150, 8) and on_device() == 8
+    impl.set_schedule(Schedule(budgets=(48, 64), bin_width=100))
+    assert impl.host_bounds(lens) == DecodeBounds(150, 4) and on_device() == 4
+    impl.set_probe([2, 9], lambda: ids)  # row d (4 pages) would get 2, short of the sink and local pages
+    with pytest.raises(ValueError, match="fewer than 3 pages"):
+        impl.host_bounds(lens)
+    impl.set_probe(None)
+    impl.set_schedule(None)
+    assert impl.host_bounds(lens) == DecodeBounds(150, 0)
+    with pytest.raises(ValueError, match="not for a subset"):
+        impl.decode_rows(None, None, None, None, lens, rows=torch.tensor([0]), seq_lens_cpu=lens)

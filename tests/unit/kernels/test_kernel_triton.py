@@ -10,8 +10,10 @@ import torch
 
 from kernels import (
     PAGE_SIZE,
+    DecodeBounds,
     Workspace,
     block_sparse_decode,
+    decode_bounds,
     new_centroids,
     score_blocks_ref,
     score_blocks_triton,
@@ -158,6 +160,55 @@ def test_block_sparse_decode(group):
     got, got_pages = block_sparse_decode(q, k_cache, v_cache, cents, table, lens, budgets, backend="triton")
     assert torch.equal(got_pages, want_pages)
     torch.testing.assert_close(got, want, **TOL)
+
+
+def test_host_bounds_give_the_same_step_and_upper_bounds_are_safe():
+    # What the CUDA engine passes so that a step reads nothing back from the GPU: exact bounds give
+    # the very same scores, selection and output; bounds above the data only widen the padding.
+    q, k_cache, v_cache, cents, table, lens = _setup(64, 2)
+    budgets = torch.tensor(BUDGETS)
+    want, want_pages = block_sparse_decode(q, k_cache, v_cache, cents, table, lens, budgets, backend="triton")
+    exact = decode_bounds(LENS, BUDGETS, 1, 2)
+    assert exact == DecodeBounds(max(LENS), max(min(oracle.pages_of(n), k) for n, k in zip(LENS, BUDGETS, strict=True)))
+    assert exact.width == want_pages.shape[2]
+    got, got_pages = block_sparse_decode(
+        q, k_cache, v_cache, cents, table, lens, budgets, backend="triton", bounds=exact
+    )
+    assert torch.equal(got_pages, want_pages) and torch.equal(got, want)
+
+    loose = DecodeBounds(table.shape[1] * 64, exact.width + 4)  # as long as the block table allows
+    assert oracle.pages_of(loose.max_seq_len) > oracle.pages_of(max(LENS))
+    scores = score_blocks_triton(q, cents, k_cache, table, lens, loose)
+    assert scores.shape[2] == oracle.pages_of(loose.max_seq_len)
+    assert torch.equal(scores[..., : oracle.pages_of(max(LENS))], score_blocks_triton(q, cents, k_cache, table, lens))
+    assert bool((scores[..., oracle.pages_of(max(LENS)) :] == float("-inf")).all())
+    got, got_pages = block_sparse_decode(
+        q, k_cache, v_cache, cents, table, lens, budgets, backend="triton", bounds=loose
+    )
+    assert torch.equal(got_pages[..., : exact.width], want_pages)
+    assert bool((got_pages[..., exact.width :] == -1).all())
+    torch.testing.assert_close(got, want, **TOL)
+    dense = sparse_decode_attention_triton(q, k_cache, v_cache, table, lens, bounds=loose)
+    torch.testing.assert_close(dense, sparse_decode_attention_ref(q, k_cache, v_cache, table, lens), **TOL)
+
+
+def test_decode_bounds_check_the_rows_as_the_kernels_do():
+    assert decode_bounds([], [], 1, 2) == DecodeBounds(0, 0)
+    assert decode_bounds([16, 17, 500], [3, 3, 100], 1, 2) == DecodeBounds(500, 32)
+    with pytest.raises(ValueError, match="at least one cached token"):
+        decode_bounds([0, 20], [4, 4], 1, 2)
+    with pytest.raises(ValueError, match="fewer than 3 pages"):
+        decode_bounds([20, 100], [4, 2], 1, 2)
+    assert decode_bounds([20], [2], 1, 2).width == 2  # two pages fit a budget of two: dense, no sink needed
+    with pytest.raises(ValueError, match="2 lengths but 1 budgets"):
+        decode_bounds([20, 30], [4], 1, 2)
+    q, k_cache, v_cache, cents, table, lens = _setup(16, 2)
+    too_long = DecodeBounds(table.shape[1] * 16 + 1, 4)
+    with pytest.raises(ValueError, match="room for"):
+        score_blocks_triton(q, cents, k_cache, table, lens, too_long)
+    scores = score_blocks_ref(q, cents, k_cache, table, lens)
+    with pytest.raises(ValueError, match="scores hold"):
+        select_blocks_triton(scores, lens, torch.tensor(BUDGETS), 1, 2, DecodeBounds(max(LENS) + 16, 4))
 
 
 def test_budget_covering_the_sequence_is_dense():
