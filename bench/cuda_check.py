@@ -23,6 +23,13 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
               per call, KV-bytes bound, host syncs per sparse call (must be none); our dense
               kernel checked against SDPA (and vLLM's kernel) and the sparse path at a full budget
               against ours, relative to the largest output (`REL_TOL`)
+  model       a whole decode step of a Qwen3-1.7B-shaped model (random bf16 weights, torch linear
+              layers, RMSNorm, RoPE, our kernels for attention), batch 8 at 32K over one paged
+              cache per layer: dense (our dense kernel in every layer) vs the plugin's sparse
+              decode (layers 0-1 dense, centroids refreshed in every layer) at 2048 and 4096
+              tokens, eager and replayed as one CUDA graph (the step reads nothing back, so it
+              captures whole); the sparse step at a full budget checked against the dense one.
+              What an engine without vLLM's step overhead would gain; not vLLM's figure
   parity      (vLLM) stock vLLM (TRITON_ATTN) vs the plugin, float32, greedy, a random Qwen3 with
               head_dim 128: sampled-token logprobs over the common prefix within 2e-2 at a budget
               covering every page in every layer (vLLM's float32 kernel may use TF32; ours does not),
@@ -53,12 +60,22 @@ DRY = os.environ.get("CUDA_CHECK_DRY") == "1"  # set by --dry-run for the phase 
 DEVICE = "cpu" if DRY else "cuda"
 DTYPES = ("float32",) if DRY else ("float32", "bfloat16")  # bf16 is broken in Triton's interpreter
 # (phase, time limit in seconds), cheapest and most telling first.
-PHASES = [("env", 60), ("kernels", 150), ("decode", 150), ("attention", 120), ("parity", 240), ("throughput", 330)]
+PHASES = [
+    ("env", 45),
+    ("kernels", 130),
+    ("decode", 130),
+    ("attention", 100),
+    ("model", 120),
+    ("parity", 240),
+    ("throughput", 330),
+]
 TOL = {"float32": 2e-5, "bfloat16": 2e-2}
 # Attention outputs at 32K are means over thousands of values (about 1e-2 in size), so whole
 # attentions are compared relative to the largest reference output, not by an absolute bound.
 REL_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 PARITY_TOL = 2e-2
+# Logits after 28 layers in bf16 (the dense and the full-budget step split the attention differently).
+MODEL_REL_TOL = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -321,6 +338,158 @@ def phase_attention(rec: Record) -> None:
             sparse()
         torch.cuda.set_sync_debug_mode("default")
         rec.check("host_syncs_per_sparse_call", float(sum("synchroniz" in str(w.message) for w in caught)), 0.0)
+
+
+def phase_model(rec: Record) -> None:
+    import statistics
+
+    import torch
+
+    from kernels import DecodeBounds, Workspace, sparse_decode_attention, update_centroids_ref
+    from services.generator.plugin.page_centroids import PageCentroids
+    from services.generator.plugin.scheduled_decode import ScheduledDecode
+    from sparrow.schedule import Schedule
+
+    if DRY:
+        layers, hidden, heads, kv_heads, d, ffn, vocab, batch, ctx, budgets = 3, 64, 4, 2, 16, 128, 256, 2, 512, (64,)
+    else:
+        layers, hidden, heads, kv_heads, d, ffn, vocab = 28, 2048, 16, 8, 128, 6144, 151936
+        batch, ctx, budgets = 8, 32768, (2048, 4096)
+    dtype, bs = getattr(torch, DTYPES[-1]), 16
+    rec["shape"] = {"layers": layers, "hidden": hidden, "heads": f"{heads}/{kv_heads}", "head_dim": d,
+                    "batch": batch, "context": ctx, "dtype": DTYPES[-1]}  # fmt: skip
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+
+    def weight(rows, cols):
+        return (torch.randn(rows, cols, device=DEVICE, generator=g) * rows**-0.5).to(dtype)
+
+    embed = weight(vocab, hidden) * hidden**0.5  # rows of about unit size, tied to the output layer
+    w = [
+        {"qkv": weight(hidden, (heads + 2 * kv_heads) * d), "o": weight(heads * d, hidden),
+         "gate_up": weight(hidden, 2 * ffn), "down": weight(ffn, hidden)}
+        for _ in range(layers)
+    ]  # fmt: skip
+    # One paged cache per layer (vLLM's NHD layout, random keys and values), one block table for all.
+    k0, v0, table, lens, _ = _paged([ctx] * batch, kv_heads, d, bs, dtype, nhd=True)
+    caches = [(k0, v0)]
+    for _ in range(layers - 1):
+        kv = torch.randn(k0.shape[0], bs, kv_heads, 2 * d, device=DEVICE, generator=g).to(dtype).transpose(1, 2)
+        caches.append((kv[..., :d], kv[..., d:]))
+    pages = []
+    for k, _ in caches:
+        pc = PageCentroids(k)
+        update_centroids_ref(k, pc.table, table, lens)
+        pages.append(pc)
+    lens_cpu = lens.cpu()
+    pos = ctx - 1  # every row decodes the token at this position (its K/V written first, as vLLM does)
+    slot = table.long()[:, pos // bs] * bs + pos % bs
+    block, offset = slot // bs, slot % bs
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, device=DEVICE, dtype=torch.float32) / d))
+    cos, sin = torch.cos(pos * inv), torch.sin(pos * inv)
+    tokens = torch.randint(0, vocab, (batch,), device=DEVICE, generator=g)
+    scale = d**-0.5
+
+    def rms(x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
+    def rope(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(dtype)
+
+    def model_step(attend) -> torch.Tensor:
+        x = embed[tokens]
+        for layer, (lw, (k_cache, v_cache)) in enumerate(zip(w, caches, strict=True)):
+            q, k, v = (rms(x) @ lw["qkv"]).split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+            q, k = rope(rms(q.view(batch, heads, d))), rope(rms(k.view(batch, kv_heads, d)))
+            k_cache[block, :, offset] = k
+            v_cache[block, :, offset] = v.view(batch, kv_heads, d)
+            x = x + attend(layer, q, k_cache, v_cache).reshape(batch, heads * d) @ lw["o"]
+            gate, up = (rms(x) @ lw["gate_up"]).chunk(2, dim=-1)
+            x = x + (torch.nn.functional.silu(gate) * up) @ lw["down"]
+        return rms(x) @ embed.T
+
+    ws = Workspace()
+    whole = DecodeBounds(ctx, 0)  # the lengths as the host knows them: no host sync in the dense step
+
+    def dense(layer, q, k_cache, v_cache):
+        return sparse_decode_attention(q, k_cache, v_cache, table, lens, None, scale, ws, "triton", bounds=whole)
+
+    decoders = []
+    for layer, pc in enumerate(pages):
+        dec = ScheduledDecode()
+        dec.scale, dec.layer_index, dec.backend, dec.workspace, dec.centroids = (
+            scale,
+            layer,
+            "triton",
+            Workspace(),
+            pc.table,
+        )
+        decoders.append(dec)
+
+    def sparse(layer, q, k_cache, v_cache):
+        pages[layer].refresh(k_cache, slot, one_token_per_page=True)
+        return decoders[layer].decode_rows(q, k_cache, v_cache, table, lens, seq_lens_cpu=lens_cpu)
+
+    def set_schedule(schedule):
+        for dec in decoders:
+            dec.set_schedule(schedule)
+
+    iters = 2 if DRY else 20
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        times = []
+        for _ in range(iters):
+            _sync()
+            start = time.perf_counter()
+            fn()
+            _sync()
+            times.append(time.perf_counter() - start)
+        return round(statistics.median(times) * 1e3, 3)
+
+    def graphed(fn):
+        """`fn` captured as one CUDA graph (after warm-up on a side stream), replayed by the result."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay
+
+    with torch.no_grad():
+        reference = model_step(dense).double()
+        set_schedule(Schedule(budgets=(ctx,), bin_width=ctx, dense_layers=()))
+        rec.check(
+            "full_budget_logits_vs_dense_max_rel", _max_rel(model_step(sparse), reference), MODEL_REL_TOL[DTYPES[-1]]
+        )
+        runs = {"dense": (None, dense)}
+        runs.update({f"sparse_{b}": (Schedule(budgets=(b,), bin_width=ctx), sparse) for b in budgets})
+        for name, (schedule, attend) in runs.items():
+            set_schedule(schedule)
+            step = lambda attend=attend: model_step(attend)  # noqa: E731
+            figures = {"eager_ms": timed(step)}
+            if DEVICE == "cuda":
+                try:
+                    figures["graph_ms"] = timed(graphed(step))
+                except Exception as exc:
+                    figures["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rec[name] = figures
+        dense_ms = rec.data["dense"]
+        for name in list(runs)[1:]:
+            figures = dict(rec.data[name])
+            for mode in ("eager", "graph"):
+                if f"{mode}_ms" in figures and f"{mode}_ms" in dense_ms:
+                    figures[f"{mode}_speedup"] = round(dense_ms[f"{mode}_ms"] / figures[f"{mode}_ms"], 3)
+            rec[name] = figures
+        rec["tokens_per_s"] = {
+            n: round(batch * 1e3 / rec.data[n].get("graph_ms", rec.data[n]["eager_ms"]), 1) for n in runs
+        }
 
 
 def _max_rel(out, reference) -> float:

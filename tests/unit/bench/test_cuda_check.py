@@ -34,7 +34,8 @@ def test_phases_parse_and_unknown_ones_are_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--phases", "kernels,nope"])
     assert exc.value.code == 2 and "unknown phase(s) nope" in capsys.readouterr().err
-    assert sum(limit for name, limit in PHASES if name in ("env", "kernels", "decode", "attention")) < 540
+    # The phases a GPU machine without vLLM runs fit the default deadline together.
+    assert sum(limit for name, limit in PHASES if name not in ("parity", "throughput")) < 540
 
 
 @pytest.mark.slow
@@ -53,13 +54,16 @@ def test_dry_run_passes_every_phase_that_runs_without_a_gpu(tmp_path):
     phases = report["phases"]
     failures = {n: p.get("error", p.get("checks")) for n, p in phases.items() if p["status"] not in ("ok", "skipped")}
     assert not failures, str(failures)[-3000:]
-    assert [n for n, p in phases.items() if p["status"] == "ok"] == ["env", "kernels", "decode", "attention"]
+    assert [n for n, p in phases.items() if p["status"] == "ok"] == ["env", "kernels", "decode", "attention", "model"]
     assert {phases[n]["reason"] for n in ("parity", "throughput")} == {"dry run"}
     # The phases' checks ran (a phase with no checks would read "ok" too).
     assert len(phases["kernels"]["checks"]) >= 10 and phases["decode"]["checks"]["failed_tests"]["value"] == 0
     attention = phases["attention"]["checks"]
     assert {"dense_ours_vs_sdpa_max_rel", "full_budget_vs_dense_max_rel"} <= set(attention)
     assert phases["decode"]["tests"], "the decode tests were not collected"
+    model = phases["model"]
+    assert "full_budget_logits_vs_dense_max_rel" in model["checks"]
+    assert {"dense", "sparse_64"} <= set(model) and model["sparse_64"]["eager_ms"] > 0
     # Its output sits beside the report, and no phase left its result file behind.
     assert "===== --phase attention" in (tmp_path / "check.log").read_text()
     assert not list((tmp_path / "tmp").glob("cuda_check-*.json"))
