@@ -23,7 +23,8 @@ this decode as written: the kernel wrappers size their outputs (score width, sel
 the step's lengths, and a graph would replay the sizes of its capture. Those sizes come from the
 host, not the device: the builder keeps the decode rows' lengths from vLLM's CPU copy
 (`decode_seq_lens_cpu`), and the decode reads nothing back from the GPU (no host sync) in a step
-of decodes; a step with prefill chunks pays one, finding the pages the chunks wrote.
+of decodes; a step with prefill chunks pays one, finding the pages the chunks wrote, once for all
+layers (they share the step's metadata, which keeps the answer).
 
 Memory: the centroid tables (float32, one row per 16 tokens of cache) are allocated on the first
 forward, outside vLLM's KV budget: about 1/16 of the KV cache's bytes in bf16, 1/32 in float32.
@@ -46,7 +47,7 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from kernels import Workspace
-from services.generator.plugin.page_centroids import PageCentroids
+from services.generator.plugin.page_centroids import PageCentroids, page_ends
 from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
 
 
@@ -57,6 +58,7 @@ class SparrowTritonMetadata(TritonAttentionMetadata):
     num_decodes: int = 0
     num_decode_tokens: int = 0
     decode_seq_lens_cpu: torch.Tensor | None = None  # the decode rows' lengths on the host
+    page_end_slots: torch.Tensor | None = None  # `page_ends` of the step's slots, found by its first layer
 
 
 def with_decode_split(
@@ -93,6 +95,7 @@ def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
         num_decodes=0,
         num_decode_tokens=0,
         decode_seq_lens_cpu=None,
+        page_end_slots=None,
     )
 
 
@@ -197,9 +200,12 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
             self.centroids = self.page_centroids.table
         tokens = attn_metadata.num_actual_tokens
         decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
-        self.page_centroids.refresh(
-            k_cache, attn_metadata.slot_mapping[:tokens], one_token_per_page=decode_tokens == tokens
-        )
+        slots = attn_metadata.slot_mapping[:tokens]
+        if decode_tokens < tokens:  # prefill chunks: the last token written to each page (a host sync)
+            if attn_metadata.page_end_slots is None:
+                attn_metadata.page_end_slots = page_ends(slots)
+            slots = attn_metadata.page_end_slots
+        self.page_centroids.refresh(k_cache, slots, one_token_per_page=True)
         if decodes == 0 or self.decodes_densely():
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
 

@@ -40,8 +40,8 @@ class PageCentroids:
         """Recompute the centroid of every page a token of `slots` was written to, from `k_cache`.
 
         `k_cache` is [num_blocks, kv_heads, block_size, head_dim] with any strides (vLLM's key view).
-        `one_token_per_page` (every token is the only one of the step in its page, as in a step of
-        pure decodes) skips finding each page's last token, and with it the one host sync.
+        `one_token_per_page` (no two of `slots` share a page, as in a step of pure decodes or the
+        `page_ends` of a step's slots) skips finding each page's last token, and with it a host sync.
         """
         nb, h, bs, d = k_cache.shape
         slots = slots.long()

@@ -522,6 +522,26 @@ def test_host_reads_are_caught():
     assert any(r.startswith("__getitem__ at services/generator/plugin/page_centroids.py") for r in seen.reads)
 
 
+def test_layers_of_a_mixed_step_find_the_written_pages_once(monkeypatch, stock):
+    # Finding each page's last token in a step with prefill chunks costs a host sync; the layers share
+    # the step's metadata, so the first layer finds them and the others reuse its answer.
+    pytest.importorskip("vllm")
+    from services.generator.plugin import cuda_backend
+
+    found = []
+    real = cuda_backend.page_ends
+    monkeypatch.setattr(cuda_backend, "page_ends", lambda slots: found.append(1) or real(slots))
+    batch = PagedBatch(len(PROMPTS) + 1, 400)
+    layers = [ImplDriver(batch, layer, None) for layer in (2, 3)]
+    for q_lens, finds in (([*PROMPTS, CHUNKS[0]], 1), ([1, 1, 1, 1, CHUNKS[1]], 1), ([1] * 5, 0)):
+        step = batch.step(q_lens)
+        metadata, found[:] = layers[0].metadata(step), []
+        for layer in layers:
+            layer.run(step, metadata)
+            torch.testing.assert_close(layer.centroids, scratch_centroids(batch), atol=1e-6, rtol=1e-6)
+        assert len(found) == finds
+
+
 def test_page_centroids_refresh_only_the_pages_written():
     batch = PagedBatch(2, 80, seed=3)
     cents = PageCentroids(batch.k_cache)
