@@ -8,9 +8,9 @@ head in one batch. A row with no more pages than its budget attends to all of th
 Host syncs: on a GPU every read of a device value on the host stalls the CPU until the GPU has
 caught up, and with attention run eagerly between CUDA-graph pieces that is paid per layer. Given
 the rows' lengths as the host knows them (`seq_lens_cpu`, from vLLM's CPU copy), a decode reads
-nothing from the device: the budgets are looked up on the device from a table, the sizes the
-kernels need (`kernels.DecodeBounds`) are worked out on the host once per step for every layer,
-and tables go to the device by non-blocking copies from pinned memory.
+nothing from the device: the budgets and the sizes the kernels need (`kernels.DecodeBounds`) are
+worked out on the host once per step for every layer, and the budgets go to the device once per
+step by a non-blocking copy from pinned memory (no small kernels per layer to look them up).
 
 Probes: while a probe plan is set, rows whose request id carries `PROBE_PREFIX` take the plan's
 budget instead of the schedule's (same bins, sink and local blocks). Which request a row belongs to
@@ -104,8 +104,9 @@ class ScheduledDecode:
     _budget_table: tuple[Schedule, torch.Tensor] | None = None
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
-    # The last step's bounds, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds).
-    _last_bounds: ClassVar[tuple | None] = None
+    # The last step's host plan, shared by every layer: (seq_lens_cpu, (schedule, probe key), bounds,
+    # budgets, budgets by device).
+    _last_plan: ClassVar[tuple | None] = None
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense)."""
@@ -168,31 +169,45 @@ class ScheduledDecode:
         return mask if rows is None else mask[rows]
 
     def host_bounds(self, seq_lens_cpu: torch.Tensor) -> DecodeBounds:
-        """`DecodeBounds` of the batch's first rows from their lengths on the host (see module doc).
+        """`DecodeBounds` of the batch's first rows from their lengths on the host (see module doc)."""
+        return self.host_plan(seq_lens_cpu)[0]
 
-        Pure Python past one `tolist`, and computed once per step: the layers of a step share the
-        metadata's CPU lengths (the same tensor), the schedule and the probe plan.
+    def host_plan(
+        self, seq_lens_cpu: torch.Tensor, device: torch.device | None = None
+    ) -> tuple[DecodeBounds, torch.Tensor | None]:
+        """The bounds and the budgets (in pages, on `device`; None without a schedule or a device) of
+        the batch's first rows, from their lengths on the host (see module doc).
+
+        Pure Python past one `tolist`, and worked out once per step: the layers of a step share the
+        metadata's CPU lengths (the same tensor), the schedule and the probe plan, so they share
+        the answer, the budgets' one copy to the device included.
         """
         s = self.schedule
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
         ids = tuple(self.row_ids()[: seq_lens_cpu.shape[0]]) if probing and self.row_ids is not None else None
-        last = ScheduledDecode._last_bounds
-        if last is not None and last[0] is seq_lens_cpu and last[1] is s and last[2] == (self.probe_pages, ids):
-            return last[3]
-        lens = seq_lens_cpu.tolist()
-        if s is None:
-            bounds = DecodeBounds(max(lens, default=0), 0)
-        else:
-            pages = [b // s.page_size for b in s.budgets]
-            top = s.num_bins - 1
-            budgets = [pages[min(n // s.bin_width, top)] for n in lens]
-            if ids is not None:
-                for r, rid in enumerate(ids):
-                    if rid is not None and rid.startswith(PROBE_PREFIX):
-                        budgets[r] = self.probe_pages[min(lens[r] // s.bin_width, top)]
-            bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
-        ScheduledDecode._last_bounds = (seq_lens_cpu, s, (self.probe_pages, ids), bounds)
-        return bounds
+        key = (s, (self.probe_pages, ids))
+        last = ScheduledDecode._last_plan
+        if last is None or last[0] is not seq_lens_cpu or last[1][0] is not s or last[1][1] != key[1]:
+            lens = seq_lens_cpu.tolist()
+            if s is None:
+                last = (seq_lens_cpu, key, DecodeBounds(max(lens, default=0), 0), None, {})
+            else:
+                pages = [b // s.page_size for b in s.budgets]
+                top = s.num_bins - 1
+                budgets = [pages[min(n // s.bin_width, top)] for n in lens]
+                if ids is not None:
+                    for r, rid in enumerate(ids):
+                        if rid is not None and rid.startswith(PROBE_PREFIX):
+                            budgets[r] = self.probe_pages[min(lens[r] // s.bin_width, top)]
+                bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
+                last = (seq_lens_cpu, key, bounds, budgets, {})
+            ScheduledDecode._last_plan = last
+        _, _, bounds, budgets, on_device = last
+        if budgets is None or device is None:
+            return bounds, None
+        if device not in on_device:
+            on_device[device] = to_device(budgets, torch.int64, device)
+        return bounds, on_device[device]
 
     def decode_rows(
         self,
@@ -211,7 +226,9 @@ class ScheduledDecode:
         with it nothing is read from the device (see module doc)."""
         if seq_lens_cpu is not None and rows is not None:
             raise ValueError("seq_lens_cpu is for the batch's first rows in order, not for a subset (rows)")
-        bounds = None if seq_lens_cpu is None else self.host_bounds(seq_lens_cpu)
+        bounds, budgets = None, None
+        if seq_lens_cpu is not None:
+            bounds, budgets = self.host_plan(seq_lens_cpu, seq_lens.device)
         if self.decodes_densely():
             return sparse_decode_attention(
                 q,
@@ -233,7 +250,7 @@ class ScheduledDecode:
             self.centroids,
             block_table,
             seq_lens,
-            self.budget_pages(seq_lens, rows),
+            self.budget_pages(seq_lens, rows) if budgets is None else budgets,
             s.sink_blocks,
             s.local_blocks,
             self.scale,

@@ -116,9 +116,14 @@ def test_host_bounds_follow_the_schedule_and_the_probe_rows():
     lens = torch.tensor([50, 150, 150, 50])
 
     def on_device():  # what the kernels would have read from the device
+        bounds, budgets = impl.host_plan(lens, lens.device)
+        assert torch.equal(budgets, impl.budget_pages(lens))  # the same budgets, worked out on the host
         return int(torch.minimum(num_pages(lens), impl.budget_pages(lens)).max())
 
     assert impl.host_bounds(lens) == DecodeBounds(150, 8) and on_device() == 8
+    twin = ScheduledDecode()  # another layer of the same step: the same plan, its budgets copied once
+    twin.set_schedule(impl.schedule)
+    assert twin.host_plan(lens, lens.device)[1] is impl.host_plan(lens, lens.device)[1]
     ids = ["seq:a-1", f"{PROBE_PREFIX}b-2", "seq:c-3", f"{PROBE_PREFIX}d-4"]
     impl.set_probe([3, 9], lambda: ids)
     assert impl.host_bounds(lens) == DecodeBounds(150, 9) and on_device() == 9
