@@ -271,7 +271,7 @@ def phase_attention(rec: Record) -> None:
     k, v, table, lens, g = _paged([ctx] * batch, h, d, bs, dtype, nhd=True)
     q = torch.randn(batch, h * group, d, device=DEVICE, generator=g).to(dtype)
     last = table.long()[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs  # the slot each row just wrote
-    pc = PageCentroids(k)
+    pc = PageCentroids(k, backend="triton")
     update_centroids_ref(k, pc.table, table, lens)
     dec = ScheduledDecode()
     dec.scale, dec.layer_index, dec.backend, dec.workspace, dec.centroids = d**-0.5, 5, "triton", Workspace(), pc.table
@@ -377,7 +377,7 @@ def phase_model(rec: Record) -> None:
         caches.append((kv[..., :d], kv[..., d:]))
     pages = []
     for k, _ in caches:
-        pc = PageCentroids(k)
+        pc = PageCentroids(k, backend="triton")
         update_centroids_ref(k, pc.table, table, lens)
         pages.append(pc)
     lens_cpu = lens.cpu()

@@ -9,7 +9,13 @@ the reference otherwise). This package imports nothing else of the project.
 """
 
 from .backend import BACKENDS, resolve_backend
-from .centroids import new_centroids, update_centroids, update_centroids_ref, update_centroids_triton
+from .centroids import (
+    new_centroids,
+    update_centroids,
+    update_centroids_at_slots_triton,
+    update_centroids_ref,
+    update_centroids_triton,
+)
 from .decode import (
     block_sparse_decode,
     sparse_decode_attention,
@@ -67,6 +73,7 @@ __all__ = [
     "teacher_forced_attention_triton",
     "teacher_forced_selection_ref",
     "update_centroids",
+    "update_centroids_at_slots_triton",
     "update_centroids_ref",
     "update_centroids_triton",
 ]

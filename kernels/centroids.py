@@ -166,6 +166,86 @@ def update_centroids_triton(
     )
 
 
+@triton.jit
+def _centroids_at_slots_kernel(
+    k_ptr,
+    cent_ptr,
+    slots_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    stride_cd,
+    block_size,
+    head_dim,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (slot, kv head): the mean of the page's keys up to and including the slot.
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    slot = tl.load(slots_ptr + i).to(tl.int64)
+    at = tl.maximum(slot, 0)
+    block = at // block_size
+    first_tok = at % block_size - at % PAGE
+    filled = at % PAGE + 1
+    # A padding slot (-1) does nothing; an integer bound, not a scalar bool (see _update_centroids_kernel).
+    d_end = tl.where(slot >= 0, head_dim, 0)
+    offs_t = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t[:, None] < filled) & (offs_d[None, :] < d_end)
+    ptrs = (
+        k_ptr
+        + block * stride_kb
+        + head * stride_kh
+        + (first_tok + offs_t)[:, None] * stride_kt
+        + offs_d[None, :] * stride_kd
+    )
+    keys = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    centroid = tl.sum(keys, axis=0) / filled.to(tl.float32)
+    out = cent_ptr + block * stride_cb + head * stride_ch + (first_tok // PAGE) * stride_cp + offs_d * stride_cd
+    tl.store(out, centroid, mask=offs_d < d_end)
+
+
+def update_centroids_at_slots_triton(k_cache: torch.Tensor, centroids: torch.Tensor, slots: torch.Tensor) -> None:
+    """Recompute, in place, the centroid of the page each of `slots` was written to, from the cache.
+
+    `slots` are cache slots (block * block_size + offset, as vLLM's slot_mapping; -1 is padding and
+    skipped), each the last token written to its page, so no two share a page (a step of decodes,
+    or `page_ends` of a step's slots): a page's centroid is the mean of its keys up to that slot.
+    One launch, nothing read back to the host; the engine's per-step upkeep on a GPU.
+    """
+    if k_cache.dim() != 4 or k_cache.shape[2] % PAGE_SIZE:
+        raise ValueError(
+            f"k_cache must be [num_blocks, kv_heads, block_size (a multiple of {PAGE_SIZE}), head_dim], "
+            f"got shape {tuple(k_cache.shape)}"
+        )
+    check_centroids(centroids, k_cache)
+    if centroids.dtype != torch.float32:
+        raise ValueError(f"centroids must be float32, got {centroids.dtype}")
+    if slots.dim() != 1 or slots.is_floating_point():
+        raise ValueError(f"slots must be a 1-D integer tensor, got {slots.dtype} {tuple(slots.shape)}")
+    check_same_device(k_cache=k_cache, centroids=centroids, slots=slots)
+    check_unit_stride(k_cache=k_cache, centroids=centroids)
+    if slots.numel() == 0:
+        return
+    _, h, bs, d = k_cache.shape
+    _centroids_at_slots_kernel[(slots.shape[0], h)](
+        k_cache,
+        centroids,
+        slots,
+        *k_cache.stride(),
+        *centroids.stride(),
+        bs,
+        d,
+        PAGE=PAGE_SIZE,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )
+
+
 def update_centroids(
     k_cache: torch.Tensor,
     centroids: torch.Tensor,

@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import torch
 
-from kernels import PAGE_SIZE
+from kernels import PAGE_SIZE, resolve_backend, update_centroids_at_slots_triton
 
 
 class PageCentroids:
     """Float32 centroids [num_blocks, kv_heads, block_size // 16, head_dim] of a paged key cache.
 
     One extra block at the end of the buffer takes the writes that must land nowhere (padding
-    slots), which keeps the pure-decode update free of host syncs.
+    slots), which keeps the pure-decode update free of host syncs. `backend` "auto" updates with
+    one Triton kernel on a GPU (`kernels.update_centroids_at_slots_triton`) and with torch
+    elsewhere; "triton" or "torch" choose.
     """
 
-    def __init__(self, k_cache: torch.Tensor) -> None:
+    def __init__(self, k_cache: torch.Tensor, backend: str = "auto") -> None:
         nb, h, bs, d = k_cache.shape
         if bs % PAGE_SIZE:
             raise ValueError(f"cache block size {bs} is not a multiple of the page size {PAGE_SIZE}")
         self._buffer = torch.zeros(nb + 1, h, bs // PAGE_SIZE, d, dtype=torch.float32, device=k_cache.device)
         self.table = self._buffer[:nb]
+        self.triton = resolve_backend(backend, k_cache) == "triton"
 
     def fits(self, k_cache: torch.Tensor) -> bool:
         """Whether this table belongs to a cache of `k_cache`'s shape and device."""
@@ -44,9 +47,12 @@ class PageCentroids:
         `page_ends` of a step's slots) skips finding each page's last token, and with it a host sync.
         """
         nb, h, bs, d = k_cache.shape
-        slots = slots.long()
         if not one_token_per_page:
             slots = page_ends(slots)
+        if self.triton:
+            update_centroids_at_slots_triton(k_cache, self.table, slots)
+            return
+        slots = slots.long()
         live = slots >= 0
         slot = slots.clamp(min=0)
         first = slot - slot % PAGE_SIZE

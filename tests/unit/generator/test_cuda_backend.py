@@ -166,7 +166,7 @@ class CoreDriver:
         self.decoder.scale, self.decoder.layer_index, self.decoder.backend = SCALE, layer, "triton"
         self.decoder.workspace = Workspace()
         self.decoder.set_schedule(schedule)
-        self.page_centroids = PageCentroids(batch.k_cache)
+        self.page_centroids = PageCentroids(batch.k_cache, backend="triton")  # as on a GPU
         self.decoder.centroids = self.page_centroids.table
         self.batch = batch
 
@@ -542,9 +542,11 @@ def test_layers_of_a_mixed_step_find_the_written_pages_once(monkeypatch, stock):
         assert len(found) == finds
 
 
-def test_page_centroids_refresh_only_the_pages_written():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_page_centroids_refresh_only_the_pages_written(backend):
     batch = PagedBatch(2, 80, seed=3)
-    cents = PageCentroids(batch.k_cache)
+    cents = PageCentroids(batch.k_cache, backend)
+    assert cents.triton == (backend == "triton")
     for q_lens in ([21, 5], [1, 30], [1, 1], [11, 1]):
         step = batch.step(q_lens)
         before = cents.table.clone()

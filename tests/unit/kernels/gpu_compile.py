@@ -17,7 +17,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 
-from kernels.centroids import _update_centroids_kernel  # noqa: E402
+from kernels.centroids import _centroids_at_slots_kernel, _update_centroids_kernel  # noqa: E402
 from kernels.decode import _decode_combine_kernel, _decode_split_kernel  # noqa: E402
 from kernels.select import _score_blocks_kernel, _select_blocks_kernel  # noqa: E402
 
@@ -63,6 +63,14 @@ def variants():
                 4,
                 "i32",
             )
+        yield (
+            f"centroids_at_slots {dtype}",
+            _centroids_at_slots_kernel,
+            {"k_ptr": f"*{dtype}", "cent_ptr": "*fp32", "slots_ptr": "*i64"},
+            {"PAGE": 16, "BLOCK_D": 128},
+            4,
+            "i32",
+        )
         for block_g in (1, 8):
             yield (
                 f"score_blocks {dtype} group={block_g}",

@@ -26,6 +26,7 @@ from kernels import (
     teacher_forced_attention,
     teacher_forced_attention_ref,
     teacher_forced_attention_triton,
+    update_centroids_at_slots_triton,
     update_centroids_ref,
     update_centroids_triton,
 )
@@ -58,6 +59,33 @@ def test_update_centroids(block_size):
     update_centroids_ref(k_cache, ref, table, lens, prev)
     update_centroids_triton(k_cache, tri, table, lens, prev.long())
     torch.testing.assert_close(tri, ref, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_update_centroids_at_slots(block_size):
+    # The engine's upkeep: the last slot written to each page (vLLM's slot_mapping, -1 padding).
+    _, k_cache, _, want, table, lens = _setup(block_size, 1)
+    rows = torch.arange(len(LENS)).repeat_interleave(lens.long())
+    positions = torch.cat([torch.arange(n) for n in LENS])
+    slots = table.long()[rows, positions // block_size] * block_size + positions % block_size
+    last_of_page = (positions % PAGE_SIZE == PAGE_SIZE - 1) | (positions == lens.long()[rows] - 1)
+    got = torch.full_like(want, 7.0)
+    update_centroids_at_slots_triton(k_cache, got, torch.cat([slots[last_of_page], torch.full((3,), -1)]))
+    torch.testing.assert_close(got, torch.where(want == 0, 7.0, want), atol=1e-6, rtol=1e-6)
+
+    # A decode step: one slot per row, mid-page; only those pages change, to their keys so far.
+    before = got.clone()
+    at = torch.tensor([2, 17, 90, 150])
+    step = table.long()[torch.arange(4), at // block_size] * block_size + at % block_size
+    update_centroids_at_slots_triton(k_cache, got, step.to(torch.int32))
+    grown = new_centroids(k_cache)
+    update_centroids_ref(k_cache, grown, table, (at + 1).to(torch.int32), (at // PAGE_SIZE * PAGE_SIZE).to(torch.int32))
+    changed = torch.zeros(got.shape[:3], dtype=torch.bool)
+    changed[step // block_size, :, (step % block_size) // PAGE_SIZE] = True
+    torch.testing.assert_close(got[changed], grown[changed], atol=1e-6, rtol=1e-6)
+    assert torch.equal(got[~changed], before[~changed])
+    with pytest.raises(ValueError, match="1-D integer"):
+        update_centroids_at_slots_triton(k_cache, got, step.float())
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
