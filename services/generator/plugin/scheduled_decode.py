@@ -180,7 +180,8 @@ class ScheduledDecode:
 
         Pure Python past one `tolist`, and worked out once per step: the layers of a step share the
         metadata's CPU lengths (the same tensor), the schedule and the probe plan, so they share
-        the answer, the budgets' one copy to the device included.
+        the answer, the budgets' one copy to the device included. Kept by the identity of
+        `seq_lens_cpu`: other lengths come in another tensor (vLLM's builder makes one per step).
         """
         s = self.schedule
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
