@@ -155,6 +155,25 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _median_ms(fn, iters: int, warmup: int, flush=None) -> float:
+    """Median wall time of `fn` in ms over `iters` calls after `warmup`, the device synced around each
+    call; `flush` (a tensor bigger than the L2 cache) is written before each so no call finds it warm."""
+    import statistics
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if flush is not None:
+            flush.add_(1)
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e3, 4)
+
+
 def _seconds_left(reserve: float = 5.0) -> float:
     """Time left to this phase (its runner sets the deadline), less a reserve for reporting."""
     return float(os.environ.get("CUDA_CHECK_DEADLINE", time.time() + 600)) - time.time() - reserve
@@ -254,7 +273,6 @@ def phase_decode(rec: Record) -> None:
 
 
 def phase_attention(rec: Record) -> None:
-    import statistics
     import warnings
 
     import torch
@@ -279,17 +297,7 @@ def phase_attention(rec: Record) -> None:
     iters, warmup = (2, 1) if DRY else (20, 3)
 
     def timed(fn) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            flush.add_(1)
-            _sync()
-            start = time.perf_counter()
-            fn()
-            _sync()
-            times.append(time.perf_counter() - start)
-        return round(statistics.median(times) * 1e3, 4)
+        return _median_ms(fn, iters, warmup, flush)
 
     lens_cpu = lens.cpu()  # what the engine takes from vLLM's metadata: the step reads nothing back
 
@@ -341,7 +349,6 @@ def phase_attention(rec: Record) -> None:
 
 
 def phase_model(rec: Record) -> None:
-    import statistics
 
     import torch
 
@@ -438,16 +445,7 @@ def phase_model(rec: Record) -> None:
     iters = 2 if DRY else 20
 
     def timed(fn) -> float:
-        for _ in range(2):
-            fn()
-        times = []
-        for _ in range(iters):
-            _sync()
-            start = time.perf_counter()
-            fn()
-            _sync()
-            times.append(time.perf_counter() - start)
-        return round(statistics.median(times) * 1e3, 3)
+        return _median_ms(fn, iters, warmup=2)
 
     def graphed(fn):
         """`fn` captured as one CUDA graph (after warm-up on a side stream), replayed by the result."""

@@ -60,6 +60,44 @@ def update_centroids_ref(
 
 
 @triton.jit
+def _store_page_centroid(
+    k_ptr,
+    cent_ptr,
+    block,
+    head,
+    first_tok,
+    filled,
+    d_end,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_cb,
+    stride_ch,
+    stride_cp,
+    stride_cd,
+    PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # The mean of the page's first `filled` keys (from in-block token `first_tok` of cache block
+    # `block`) into its centroid slot; `d_end` 0 stores nothing.
+    offs_t = tl.arange(0, PAGE)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_t[:, None] < filled) & (offs_d[None, :] < d_end)
+    ptrs = (
+        k_ptr
+        + block * stride_kb
+        + head * stride_kh
+        + (first_tok + offs_t)[:, None] * stride_kt
+        + offs_d[None, :] * stride_kd
+    )
+    keys = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    centroid = tl.sum(keys, axis=0) / tl.maximum(filled, 1).to(tl.float32)
+    out = cent_ptr + block * stride_cb + head * stride_ch + (first_tok // PAGE) * stride_cp + offs_d * stride_cd
+    tl.store(out, centroid, mask=offs_d < d_end)
+
+
+@triton.jit
 def _update_centroids_kernel(
     k_ptr,
     cent_ptr,
@@ -101,21 +139,11 @@ def _update_centroids_kernel(
     # A program past the row's last page does nothing; as an integer bound rather than a scalar bool
     # because the interpreter mistypes scalar-bool & tensor-bool.
     d_end = tl.where(live, head_dim, 0)
-
-    offs_t = tl.arange(0, PAGE)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < filled) & (offs_d[None, :] < d_end)
-    ptrs = (
-        k_ptr
-        + block * stride_kb
-        + head * stride_kh
-        + (first_tok + offs_t)[:, None] * stride_kt
-        + offs_d[None, :] * stride_kd
-    )
-    keys = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    centroid = tl.sum(keys, axis=0) / tl.maximum(filled, 1).to(tl.float32)
-    out = cent_ptr + block * stride_cb + head * stride_ch + (first_tok // PAGE) * stride_cp + offs_d * stride_cd
-    tl.store(out, centroid, mask=offs_d < d_end)
+    _store_page_centroid(
+        k_ptr, cent_ptr, block, head, first_tok, filled, d_end,
+        stride_kb, stride_kh, stride_kt, stride_kd, stride_cb, stride_ch, stride_cp, stride_cd,
+        PAGE, BLOCK_D,
+    )  # fmt: skip
 
 
 def update_centroids_triton(
@@ -194,20 +222,11 @@ def _centroids_at_slots_kernel(
     filled = at % PAGE + 1
     # A padding slot (-1) does nothing; an integer bound, not a scalar bool (see _update_centroids_kernel).
     d_end = tl.where(slot >= 0, head_dim, 0)
-    offs_t = tl.arange(0, PAGE)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_t[:, None] < filled) & (offs_d[None, :] < d_end)
-    ptrs = (
-        k_ptr
-        + block * stride_kb
-        + head * stride_kh
-        + (first_tok + offs_t)[:, None] * stride_kt
-        + offs_d[None, :] * stride_kd
-    )
-    keys = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    centroid = tl.sum(keys, axis=0) / filled.to(tl.float32)
-    out = cent_ptr + block * stride_cb + head * stride_ch + (first_tok // PAGE) * stride_cp + offs_d * stride_cd
-    tl.store(out, centroid, mask=offs_d < d_end)
+    _store_page_centroid(
+        k_ptr, cent_ptr, block, head, first_tok, filled, d_end,
+        stride_kb, stride_kh, stride_kt, stride_kd, stride_cb, stride_ch, stride_cp, stride_cd,
+        PAGE, BLOCK_D,
+    )  # fmt: skip
 
 
 def update_centroids_at_slots_triton(k_cache: torch.Tensor, centroids: torch.Tensor, slots: torch.Tensor) -> None:
