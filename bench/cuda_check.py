@@ -279,7 +279,6 @@ def phase_attention(rec: Record) -> None:
 
     from kernels import Workspace, sparse_decode_attention, update_centroids_ref
     from services.generator.plugin.page_centroids import PageCentroids
-    from services.generator.plugin.scheduled_decode import ScheduledDecode
     from sparrow.schedule import Schedule
 
     batch, ctx, h, group, d, bs = (2, 1024, 2, 2, 32, 16) if DRY else (8, 32768, 8, 2, 128, 16)
@@ -291,8 +290,7 @@ def phase_attention(rec: Record) -> None:
     last = table.long()[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs  # the slot each row just wrote
     pc = PageCentroids(k, backend="triton")
     update_centroids_ref(k, pc.table, table, lens)
-    dec = ScheduledDecode()
-    dec.scale, dec.layer_index, dec.backend, dec.workspace, dec.centroids = d**-0.5, 5, "triton", Workspace(), pc.table
+    dec = _decoder(d**-0.5, 5, pc.table)
     flush = torch.empty(2**20 if DRY else 256 * 2**20, dtype=torch.uint8, device=DEVICE)  # > the 60 MB L2
     iters, warmup = (2, 1) if DRY else (20, 3)
 
@@ -349,12 +347,10 @@ def phase_attention(rec: Record) -> None:
 
 
 def phase_model(rec: Record) -> None:
-
     import torch
 
     from kernels import DecodeBounds, Workspace, sparse_decode_attention, update_centroids_ref
     from services.generator.plugin.page_centroids import PageCentroids
-    from services.generator.plugin.scheduled_decode import ScheduledDecode
     from sparrow.schedule import Schedule
 
     if DRY:
@@ -422,17 +418,7 @@ def phase_model(rec: Record) -> None:
     def dense(layer, q, k_cache, v_cache):
         return sparse_decode_attention(q, k_cache, v_cache, table, lens, None, scale, ws, "triton", bounds=whole)
 
-    decoders = []
-    for layer, pc in enumerate(pages):
-        dec = ScheduledDecode()
-        dec.scale, dec.layer_index, dec.backend, dec.workspace, dec.centroids = (
-            scale,
-            layer,
-            "triton",
-            Workspace(),
-            pc.table,
-        )
-        decoders.append(dec)
+    decoders = [_decoder(scale, layer, pc.table) for layer, pc in enumerate(pages)]
 
     def sparse(layer, q, k_cache, v_cache):
         pages[layer].refresh(k_cache, slot, one_token_per_page=True)
@@ -477,17 +463,25 @@ def phase_model(rec: Record) -> None:
                     figures["graph_ms"] = timed(graphed(step))
                 except Exception as exc:
                     figures["graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            rec[name] = figures
-        dense_ms = rec.data["dense"]
-        for name in list(runs)[1:]:
-            figures = dict(rec.data[name])
+            dense_ms = rec.data.get("dense", {})  # dense runs first
             for mode in ("eager", "graph"):
-                if f"{mode}_ms" in figures and f"{mode}_ms" in dense_ms:
+                if name != "dense" and f"{mode}_ms" in figures and f"{mode}_ms" in dense_ms:
                     figures[f"{mode}_speedup"] = round(dense_ms[f"{mode}_ms"] / figures[f"{mode}_ms"], 3)
             rec[name] = figures
         rec["tokens_per_s"] = {
             n: round(batch * 1e3 / rec.data[n].get("graph_ms", rec.data[n]["eager_ms"]), 1) for n in runs
         }
+
+
+def _decoder(scale: float, layer: int, centroids):
+    """The plugin's decode path for one layer, on our Triton kernels, as the CUDA backend sets it up."""
+    from kernels import Workspace
+    from services.generator.plugin.scheduled_decode import ScheduledDecode
+
+    dec = ScheduledDecode()
+    dec.scale, dec.layer_index, dec.backend = scale, layer, "triton"
+    dec.workspace, dec.centroids = Workspace(), centroids
+    return dec
 
 
 def _max_rel(out, reference) -> float:

@@ -104,7 +104,7 @@ class ScheduledDecode:
     _budget_table: tuple[Schedule, torch.Tensor] | None = None
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
-    # The last step's host plan, shared by every layer: (seq_lens_cpu, (schedule, probe key), bounds,
+    # The last step's host plan, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds,
     # budgets, budgets by device).
     _last_plan: ClassVar[tuple | None] = None
 
@@ -186,24 +186,22 @@ class ScheduledDecode:
         s = self.schedule
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
         ids = tuple(self.row_ids()[: seq_lens_cpu.shape[0]]) if probing and self.row_ids is not None else None
-        key = (s, (self.probe_pages, ids))
+        probe = (self.probe_pages, ids)
         last = ScheduledDecode._last_plan
-        if last is None or last[0] is not seq_lens_cpu or last[1][0] is not s or last[1][1] != key[1]:
+        if last is None or last[0] is not seq_lens_cpu or last[1] is not s or last[2] != probe:
             lens = seq_lens_cpu.tolist()
             if s is None:
-                last = (seq_lens_cpu, key, DecodeBounds(max(lens, default=0), 0), None, {})
+                bounds, budgets = DecodeBounds(max(lens, default=0), 0), None
             else:
-                pages = [b // s.page_size for b in s.budgets]
-                top = s.num_bins - 1
-                budgets = [pages[min(n // s.bin_width, top)] for n in lens]
-                if ids is not None:
-                    for r, rid in enumerate(ids):
-                        if rid is not None and rid.startswith(PROBE_PREFIX):
-                            budgets[r] = self.probe_pages[min(lens[r] // s.bin_width, top)]
+                bins = [s.bin_of(n) for n in lens]
+                budgets = [s.budgets[b] // s.page_size for b in bins]
+                for r, rid in enumerate(ids or ()):
+                    if rid is not None and rid.startswith(PROBE_PREFIX):
+                        budgets[r] = self.probe_pages[bins[r]]
                 bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
-                last = (seq_lens_cpu, key, bounds, budgets, {})
+            last = (seq_lens_cpu, s, probe, bounds, budgets, {})
             ScheduledDecode._last_plan = last
-        _, _, bounds, budgets, on_device = last
+        bounds, budgets, on_device = last[3:]
         if budgets is None or device is None:
             return bounds, None
         if device not in on_device:
