@@ -106,6 +106,7 @@ def _decode_split_kernel(
     table_ptr,
     seq_lens_ptr,
     pages_ptr,
+    budgets_ptr,
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
@@ -142,6 +143,7 @@ def _decode_split_kernel(
     group,
     qk_scale,
     DENSE: tl.constexpr,
+    ROW_SLOTS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PAGE: tl.constexpr,
@@ -159,6 +161,10 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + row).to(tl.int64)
     if DENSE:
         num_slots = (seq_len + PAGE - 1) // PAGE
+    elif ROW_SLOTS:
+        # The selection fills a row's first min(pages, budget) slots: the rest are padding, left unread.
+        row_slots = tl.minimum((seq_len + PAGE - 1) // PAGE, tl.load(budgets_ptr + row).to(tl.int64))
+        num_slots = tl.minimum(row_slots, num_slots)
     num_tiles = tl.cdiv(num_slots, PAGES_PER_TILE)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     tile_begin = split * tiles_per_split
@@ -290,6 +296,7 @@ def sparse_decode_attention_triton(
     num_splits: int | None = None,
     block_n: int | None = None,
     bounds: DecodeBounds | None = None,
+    budgets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `sparse_decode_attention_ref`: flash-decoding with split-K over the selected pages.
 
@@ -299,6 +306,9 @@ def sparse_decode_attention_triton(
     `num_splits` defaults to what fills the device; `block_n` (tokens per inner step) to 64, or 16
     for a float32 cache on a GPU, where the FMA-based float32 dot would spill registers at 64.
     With `bounds` (lengths known on the host) the checks read nothing from the device: no host sync.
+    With `budgets` (in pages, those `page_indices` was selected under) each row reads only its
+    min(pages, budget) selected slots, not the batch's widest selection's (rows of other lengths or
+    budgets then cost what they select, and wider `bounds` cost nothing more).
     """
     check_paged_cache(k_cache, v_cache, block_table, seq_lens, None if bounds is None else bounds.max_seq_len)
     check_decode_inputs(q, k_cache, page_indices, seq_lens)
@@ -310,12 +320,20 @@ def sparse_decode_attention_triton(
         raise ValueError(f"page_indices must be int32 or int64, got {page_indices.dtype}")
     if seq_lens.is_floating_point():
         raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
+    if budgets is not None and (budgets.shape != seq_lens.shape or budgets.is_floating_point()):
+        raise ValueError(f"budgets must be integers shaped like seq_lens {tuple(seq_lens.shape)}")
     fp32_on_gpu = k_cache.dtype == torch.float32 and not triton_interpreted()
     block_n = (16 if fp32_on_gpu else 64) if block_n is None else block_n
     if block_n < PAGE_SIZE or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= {PAGE_SIZE}, got {block_n}")
     check_same_device(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens, page_indices=page_indices
+        q=q,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        page_indices=page_indices,
+        budgets=budgets,
     )
     check_unit_stride(q=q, k_cache=k_cache, v_cache=v_cache)
     rows, hq, d = q.shape
@@ -347,6 +365,7 @@ def sparse_decode_attention_triton(
         block_table,
         seq_lens,
         pages,
+        seq_lens if budgets is None else budgets,  # any valid pointer when unused
         out,
         part_out,
         part_lse,
@@ -365,6 +384,7 @@ def sparse_decode_attention_triton(
         hq // h,
         scale * LOG2E,
         DENSE=dense,
+        ROW_SLOTS=budgets is not None and not dense,
         SINGLE_SPLIT=num_splits == 1,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
         PAGE=PAGE_SIZE,
@@ -401,12 +421,14 @@ def sparse_decode_attention(
     workspace: Workspace | None = None,
     backend: str = "auto",
     bounds: DecodeBounds | None = None,
+    budgets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention output [rows, q_heads, head_dim] of one query token per row over the selected pages.
 
     `page_indices` None is dense. `backend`: see `kernels.backend.resolve_backend`; the CPU
     extension computes no gradients, so with gradients wanted the torch reference runs instead.
-    `bounds` reach the Triton kernel only (see `DecodeBounds`).
+    `bounds` and `budgets` reach the Triton kernel only (see `DecodeBounds` and
+    `sparse_decode_attention_triton`).
     """
     which = _decode_backend(backend, q, k_cache, v_cache)
     if which == "cpu":
@@ -415,7 +437,7 @@ def sparse_decode_attention(
         return sparse_decode_attention_cpu(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale)
     if which == "triton":
         return sparse_decode_attention_triton(
-            q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace, bounds=bounds
+            q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace, bounds=bounds, budgets=budgets
         )
     return sparse_decode_attention_ref(q, k_cache, v_cache, block_table, seq_lens, page_indices, scale, workspace)
 
@@ -448,13 +470,25 @@ def block_sparse_decode(
     [rows, q_heads, head_dim] and the selected page indices int32 [rows, kv_heads, width] (-1 padded).
     On the Triton path, `bounds` (`decode_bounds` of the rows' lengths and budgets as the host
     knows them) make the step free of host syncs: without them each kernel's checks and output
-    sizes read the longest row from the device.
+    sizes read the longest row from the device. There each row costs what it selects, whatever the
+    batch's widest selection: rows the budget covers whole are not scored, and each row attends
+    over its own selected slots only.
     """
     check_centroids(centroids, k_cache)
     which = resolve_backend(backend, q)
-    scores = score_blocks(q, centroids, k_cache, block_table, seq_lens, backend=which, bounds=bounds)
+    scores = score_blocks(q, centroids, k_cache, block_table, seq_lens, backend=which, bounds=bounds, budgets=budgets)
     pages = select_blocks(scores, seq_lens, budgets, sink, local, backend=which, bounds=bounds)
     out = sparse_decode_attention(
-        q, k_cache, v_cache, block_table, seq_lens, pages, scale, workspace, backend=which, bounds=bounds
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        pages,
+        scale,
+        workspace,
+        backend=which,
+        bounds=bounds,
+        budgets=budgets,
     )
     return out, pages

@@ -205,6 +205,7 @@ def _score_blocks_kernel(
     cent_ptr,
     table_ptr,
     seq_lens_ptr,
+    budgets_ptr,
     out_ptr,
     stride_qr,
     stride_qh,
@@ -223,11 +224,13 @@ def _score_blocks_kernel(
     head_dim,
     group,
     PAGE: tl.constexpr,
+    SKIP_DENSE: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     # One program per (row, kv head, tile of BLOCK_P pages): a mat-vec, too thin for tl.dot.
+    # SKIP_DENSE: a row whose budget holds all its pages selects them all, unscored: -inf, no loads.
     row = tl.program_id(0)
     head = tl.program_id(1)
     pages = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -240,7 +243,10 @@ def _score_blocks_kernel(
     q_mean = tl.sum(q, axis=0) / group
 
     seq_len = tl.load(seq_lens_ptr + row).to(tl.int64)
-    live = pages < (seq_len + PAGE - 1) // PAGE
+    n = (seq_len + PAGE - 1) // PAGE
+    if SKIP_DENSE:
+        n = tl.where(n > tl.load(budgets_ptr + row).to(tl.int64), n, 0)
+    live = pages < n
     block = tl.load(table_ptr + row * stride_tr + (pages // pages_per_block) * stride_tb, mask=live, other=0)
     c_ptrs = (
         cent_ptr
@@ -261,18 +267,23 @@ def score_blocks_triton(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     bounds: DecodeBounds | None = None,
+    budgets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of `score_blocks_ref`: pages' centroids gathered through the block table and scored.
 
     With `bounds` the score width is `bounds.max_seq_len`'s pages and nothing is read from the device.
+    With `budgets` (in pages, the selection's) a row with no more pages than its budget, which the
+    selection takes whole, is not scored: its scores are all -inf and its centroids are not read.
     """
     max_seq_len = None if bounds is None else bounds.max_seq_len
     check_score_inputs(q, centroids, k_cache, block_table, seq_lens, max_seq_len)
+    if budgets is not None and (budgets.shape != seq_lens.shape or budgets.is_floating_point()):
+        raise ValueError(f"budgets must be integers shaped like seq_lens {tuple(seq_lens.shape)}")
     if centroids.dtype != torch.float32:
         raise ValueError(f"centroids must be float32, got {centroids.dtype}")
     if not q.is_floating_point():
         raise ValueError(f"q must be a floating-point tensor, got {q.dtype}")
-    check_same_device(q=q, centroids=centroids, block_table=block_table, seq_lens=seq_lens)
+    check_same_device(q=q, centroids=centroids, block_table=block_table, seq_lens=seq_lens, budgets=budgets)
     check_unit_stride(q=q, centroids=centroids)
     rows, hq, d = q.shape
     h = centroids.shape[1]
@@ -289,6 +300,7 @@ def score_blocks_triton(
         centroids,
         block_table,
         seq_lens,
+        seq_lens if budgets is None else budgets,  # any valid pointer when unused
         out,
         *q.stride(),
         *centroids.stride(),
@@ -299,6 +311,7 @@ def score_blocks_triton(
         d,
         hq // h,
         PAGE=PAGE_SIZE,
+        SKIP_DENSE=budgets is not None,
         BLOCK_G=triton.next_power_of_2(hq // h),
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_P=block_p,
@@ -425,12 +438,14 @@ def score_blocks(
     seq_lens: torch.Tensor,
     backend: str = "auto",
     bounds: DecodeBounds | None = None,
+    budgets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scores [rows, kv_heads, max_pages] float32 of every page; see `score_blocks_ref` and `resolve_backend`.
 
     The backends sum the dot products in different orders, so near-ties may rank differently:
     whoever must reproduce another's selection (trainer vs engine) uses the same backend.
-    `bounds` reach the Triton kernel only (the others run where reading lengths costs no sync).
+    `bounds` and `budgets` reach the Triton kernel only (the others run where reading lengths costs
+    no sync); see `score_blocks_triton`: with `budgets`, rows the selection takes whole are -inf there.
     """
     which = resolve_backend(backend, q)
     if which == "cpu":
@@ -438,7 +453,7 @@ def score_blocks(
 
         return score_blocks_cpu(q, centroids, k_cache, block_table, seq_lens)
     if which == "triton":
-        return score_blocks_triton(q, centroids, k_cache, block_table, seq_lens, bounds)
+        return score_blocks_triton(q, centroids, k_cache, block_table, seq_lens, bounds, budgets)
     return score_blocks_ref(q, centroids, k_cache, block_table, seq_lens)
 
 

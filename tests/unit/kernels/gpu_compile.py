@@ -71,28 +71,28 @@ def variants():
             4,
             "i32",
         )
-        for block_g in (1, 8):
+        for block_g, skip_dense in ((1, False), (8, False), (8, True)):
             yield (
-                f"score_blocks {dtype} group={block_g}",
+                f"score_blocks {dtype} group={block_g} skip_dense={skip_dense}",
                 _score_blocks_kernel,
                 {"q_ptr": f"*{dtype}", "cent_ptr": "*fp32", "table_ptr": "*i64", "seq_lens_ptr": "*i32"}
-                | {"out_ptr": "*fp32"},
-                {"PAGE": 16, "BLOCK_G": block_g, "BLOCK_D": 128, "BLOCK_P": 64},
+                | {"budgets_ptr": "*i32", "out_ptr": "*fp32"},
+                {"PAGE": 16, "SKIP_DENSE": skip_dense, "BLOCK_G": block_g, "BLOCK_D": 128, "BLOCK_P": 64},
                 4,
                 "i32",
             )
         # As the wrapper launches it: float32 takes 16 tokens a step on 8 warps.
         block_n, warps = (16, 8) if dtype == "fp32" else (64, 4)
-        for dense in (True, False):
+        for dense, row_slots in ((True, False), (False, False), (False, True)):
             for single in (True, False):
                 yield (
-                    f"decode_split {dtype} dense={dense} single={single}",
+                    f"decode_split {dtype} dense={dense} row_slots={row_slots} single={single}",
                     _decode_split_kernel,
                     {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
-                    | {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "pages_ptr": "*i32"}
+                    | {"table_ptr": "*i32", "seq_lens_ptr": "*i32", "pages_ptr": "*i32", "budgets_ptr": "*i32"}
                     | {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
-                    {"DENSE": dense, "SINGLE_SPLIT": single, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 128}
-                    | {"BLOCK_N": block_n, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"},
+                    {"DENSE": dense, "ROW_SLOTS": row_slots, "SINGLE_SPLIT": single, "PAGE": 16, "BLOCK_G": 16}
+                    | {"BLOCK_D": 128, "BLOCK_N": block_n, "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32"},
                     warps,
                     "i32",
                 )
@@ -108,9 +108,10 @@ def variants():
         "decode_split bf16 64-bit strides",
         _decode_split_kernel,
         {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "table_ptr": "*i64"}
-        | {"seq_lens_ptr": "*i64", "pages_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"},
-        {"DENSE": False, "SINGLE_SPLIT": False, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 64, "BLOCK_N": 128}
-        | {"DOT_PRECISION": "tf32"},
+        | {"seq_lens_ptr": "*i64", "pages_ptr": "*i64", "budgets_ptr": "*i64", "part_out_ptr": "*fp32"}
+        | {"part_lse_ptr": "*fp32"},
+        {"DENSE": False, "ROW_SLOTS": True, "SINGLE_SPLIT": False, "PAGE": 16, "BLOCK_G": 16, "BLOCK_D": 64}
+        | {"BLOCK_N": 128, "DOT_PRECISION": "tf32"},
         4,
         "i64",
     )

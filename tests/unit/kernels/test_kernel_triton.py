@@ -220,6 +220,45 @@ def test_host_bounds_give_the_same_step_and_upper_bounds_are_safe():
     torch.testing.assert_close(dense, sparse_decode_attention_ref(q, k_cache, v_cache, table, lens), **TOL)
 
 
+def test_each_row_costs_what_it_selects_under_the_widest_bounds():
+    # Static decode sizes every step for the longest sequence admitted: with the budgets, a row the
+    # budget covers whole is not scored, and a row attends over its own min(pages, budget) slots,
+    # not the width of the selection.
+    q, k_cache, v_cache, cents, table, lens = _setup(16, 2)
+    budgets = torch.tensor([4, 3, 5, 6])  # rows 0 and 1 fit their budgets: dense
+    scores = score_blocks_triton(q, cents, k_cache, table, lens, budgets=budgets)
+    want = score_blocks_ref(q, cents, k_cache, table, lens)
+    whole = torch.tensor([oracle.pages_of(n) <= int(k) for n, k in zip(LENS, budgets, strict=True)])
+    assert whole.tolist() == [True, True, False, False]
+    assert bool((scores[whole] == float("-inf")).all())
+    torch.testing.assert_close(scores[~whole], want[~whole], **TOL)
+
+    # Slots past a row's min(pages, budget) hold pages that would change the output if read.
+    pages = select_blocks_ref(want, lens, budgets, 1, 2)
+    widest = table.shape[1]
+    filled = torch.arange(widest, dtype=torch.int32).expand(4, 2, widest).clone()
+    filled[..., : pages.shape[2]] = torch.where(pages >= 0, pages, filled[..., : pages.shape[2]])
+    counts = [min(oracle.pages_of(n), int(k)) for n, k in zip(LENS, budgets, strict=True)]
+    assert any(oracle.pages_of(n) > c for n, c in zip(LENS, counts, strict=True))
+    want_out = sparse_decode_attention_ref(q, k_cache, v_cache, table, lens, pages)
+    got = sparse_decode_attention_triton(q, k_cache, v_cache, table, lens, filled, budgets=budgets, num_splits=3)
+    torch.testing.assert_close(got, want_out, **TOL)
+    unbounded = sparse_decode_attention_triton(q, k_cache, v_cache, table, lens, filled, num_splits=3)
+    assert not torch.allclose(unbounded, want_out, **TOL)  # without the budgets the extra slots count
+
+    bounds = DecodeBounds(widest * 16, widest)  # as wide as the block table
+    out, got_pages = block_sparse_decode(
+        q, k_cache, v_cache, cents, table, lens, budgets, backend="triton", bounds=bounds
+    )
+    ref_out, ref_pages = block_sparse_decode(q, k_cache, v_cache, cents, table, lens, budgets, backend="torch")
+    assert torch.equal(got_pages[..., : ref_pages.shape[2]], ref_pages)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    with pytest.raises(ValueError, match="budgets must be integers"):
+        score_blocks_triton(q, cents, k_cache, table, lens, budgets=budgets[:2])
+    with pytest.raises(ValueError, match="budgets must be integers"):
+        sparse_decode_attention_triton(q, k_cache, v_cache, table, lens, pages, budgets=budgets.float())
+
+
 def test_decode_bounds_check_the_rows_as_the_kernels_do():
     assert decode_bounds([], [], 1, 2) == DecodeBounds(0, 0)
     assert decode_bounds([16, 17, 500], [3, 3, 100], 1, 2) == DecodeBounds(500, 32)
