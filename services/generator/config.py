@@ -96,6 +96,14 @@ class EngineConfig(ConfigSection):
     max_num_seqs: int = Field(256, ge=1, description="Sequences the engine batches at once.")
     max_model_len: int = Field(40960, ge=16, description="Longest sequence (prompt + response) in tokens.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use.")
+    cuda_graphs: Literal["off", "piecewise", "full"] = Field(
+        "piecewise",
+        description=(
+            "vLLM on CUDA only (CPU engines run eagerly): off = no CUDA graphs; piecewise = the layers "
+            "between attentions as graphs, attention eager; full = also whole steps of pure decodes as "
+            "graphs (static decode; not yet run on a GPU)."
+        ),
+    )
     enable_lora: bool = Field(True, description="vLLM only: start with LoRA support (DistillSparse adapters).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
     seed: int = Field(0, ge=0, description="Seed of the engine's sampler.")

@@ -18,6 +18,13 @@ class SetupError(ValueError):
     """The config names something unusable (a model folder, a schedule, a busy port); one line."""
 
 
+def _cuda() -> bool:
+    """Whether vLLM runs on CUDA here: CUDA graphs apply there only (a CPU engine runs eagerly)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
+
+
 def build_engine(config: GeneratorConfig) -> RolloutEngine:
     """The engine the config asks for, loaded and ready."""
     e = config.engine
@@ -47,6 +54,8 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 max_model_len=e.max_model_len,
                 max_num_seqs=e.max_num_seqs,
                 gpu_memory_utilization=e.gpu_memory_utilization,
+                enforce_eager=e.cuda_graphs == "off" or not _cuda(),
+                static_decode=e.cuda_graphs == "full" and _cuda(),
                 enable_lora=e.enable_lora,
                 max_lora_rank=e.max_lora_rank,
                 seed=e.seed,

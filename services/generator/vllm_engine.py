@@ -28,7 +28,7 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
-from services.generator.plugin import WORKER_EXTENSION, engine_attention_backend
+from services.generator.plugin import STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import PROBE_PREFIX
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
@@ -71,6 +71,7 @@ class VllmEngineConfig:
     kv_cache_gib: int = 1  # CPU only: memory for the KV cache (vLLM would otherwise take a share of RAM)
     ignore_eos: bool = False  # benchmarks: every sequence runs to max_new_tokens
     attention_backend: str | None = None  # None: the plugin's (TRITON_ATTN on CUDA), else vLLM's choice
+    static_decode: bool = False  # CUDA, graphs on: steps of pure decodes as full CUDA graphs (plugin.cuda_backend)
 
 
 class VllmEngine(RolloutEngine):
@@ -90,6 +91,10 @@ class VllmEngine(RolloutEngine):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        extra = {}
+        if config.static_decode:
+            _check_static_decode(config)
+            extra[STATIC_DECODE] = True
         self.config = config
         args = EngineArgs(
             model=config.model,
@@ -111,6 +116,7 @@ class VllmEngine(RolloutEngine):
             attention_backend=config.attention_backend or engine_attention_backend(),
             seed=config.seed,
             hf_overrides=overrides,
+            additional_config=extra,
         )
         self._engine = LLMEngine.from_engine_args(args)
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
@@ -383,3 +389,15 @@ def check_adapter(folder: Path, max_rank: int) -> None:
                     raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
     if not math.isfinite(float(cfg.get("lora_alpha", rank))):
         raise EngineError(f"adapter {folder}: lora_alpha is not finite")
+
+
+def _check_static_decode(config: VllmEngineConfig) -> None:
+    """Raise EngineError unless static decode can run: a CUDA engine with the plugin and CUDA graphs."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        raise EngineError("static decode (full CUDA graphs of decode steps) needs a CUDA engine")
+    if config.enforce_eager:
+        raise EngineError("static decode captures CUDA graphs: it needs enforce_eager off")
+    if (config.attention_backend or engine_attention_backend()) != "TRITON_ATTN":
+        raise EngineError("static decode needs the plugin's attention (TRITON_ATTN, SPARROW_ATTENTION not stock)")

@@ -25,6 +25,9 @@ CPU_BACKEND = "services.generator.plugin.cpu_backend.SparrowCPUAttentionBackend"
 CUDA_BACKEND = "services.generator.plugin.cuda_backend.SparrowTritonAttentionBackend"
 CUDA_BACKEND_NAME = "TRITON_ATTN"
 WORKER_EXTENSION = "services.generator.plugin.worker_ext.SparrowWorkerExtension"
+# The `additional_config` key of a CUDA engine whose steps of pure decodes run as full CUDA graphs
+# (static decode, `cuda_backend`).
+STATIC_DECODE = "sparrow_static_decode"
 
 
 class UnsupportedVllmError(RuntimeError):

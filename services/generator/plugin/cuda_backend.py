@@ -16,15 +16,22 @@ Per step, in `forward`:
   3. the remaining rows (prefill chunks) run the stock Triton attention on a slice of the metadata.
 With no schedule, or in a dense layer, the whole step is the stock forward: dense decode is vLLM's.
 
-CUDA graphs: the builder declares `AttentionCGSupport.NEVER`, so vLLM turns its default
-FULL_AND_PIECEWISE into PIECEWISE: the layers between attentions replay as captured graphs and
-attention runs eagerly (vLLM refuses an explicit FULL mode with a message). Full graphs cannot hold
-this decode as written: the kernel wrappers size their outputs (score width, selection width) from
-the step's lengths, and a graph would replay the sizes of its capture. Those sizes come from the
-host, not the device: the builder keeps the decode rows' lengths from vLLM's CPU copy
-(`decode_seq_lens_cpu`), and the decode reads nothing back from the GPU (no host sync) in a step
-of decodes; a step with prefill chunks pays one, finding the pages the chunks wrote, once for all
-layers (they share the step's metadata, which keeps the answer).
+CUDA graphs, two ways:
+  - by default the builder declares `AttentionCGSupport.NEVER`, so vLLM turns its default
+    FULL_AND_PIECEWISE into PIECEWISE: the layers between attentions replay as captured graphs and
+    attention runs eagerly. The kernels' sizes then fit each step's lengths, which come from the
+    host: the builder keeps the decode rows' lengths from vLLM's CPU copy (`decode_seq_lens_cpu`),
+    and a step of decodes reads nothing back from the GPU (no host sync); a step with prefill chunks
+    pays one, finding the pages the chunks wrote, once for all layers (they share the step's
+    metadata, which keeps the answer).
+  - with static decode on (`additional_config={STATIC_DECODE: True}`) the builder declares
+    UNIFORM_SINGLE_TOKEN_DECODE, and vLLM captures whole steps of pure decodes as full graphs
+    (steps with prefill chunks stay piecewise). Such a step takes `ScheduledDecode.static_decode_rows`
+    in every layer, dense ones and no schedule included: sizes of the longest sequence the engine
+    admits, budgets looked up on the device, probe rows from a device mask the builder writes before
+    each step (`ProbeRows`), so that one capture serves every later step and schedule. vLLM pads such
+    a batch to the graph's size with rows of length 0 and slot -1, which attend to nothing and
+    write nowhere.
 
 Memory: the centroid tables (float32, one row per 16 tokens of cache) are allocated on the first
 forward, outside vLLM's KV budget: about 1/16 of the KV cache's bytes in bf16, 1/32 in float32.
@@ -47,8 +54,15 @@ from vllm.v1.attention.backends.triton_attn import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from kernels import Workspace
+from services.generator.plugin import STATIC_DECODE
 from services.generator.plugin.page_centroids import PageCentroids, page_ends
-from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
+from services.generator.plugin.scheduled_decode import ProbeRows, ScheduledDecode, layer_index_of, refuse_unsupported
+
+
+def static_decode_enabled(vllm_config) -> bool:
+    """Whether the engine asked for static decode (see the module doc)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return isinstance(extra, dict) and bool(extra.get(STATIC_DECODE, False))
 
 
 @dataclass
@@ -59,6 +73,9 @@ class SparrowTritonMetadata(TritonAttentionMetadata):
     num_decode_tokens: int = 0
     decode_seq_lens_cpu: torch.Tensor | None = None  # the decode rows' lengths on the host
     page_end_slots: torch.Tensor | None = None  # `page_ends` of the step's slots, found by its first layer
+    # Static decode (a step of pure decodes only): the engine's longest sequence and the probe-row mask.
+    static_max_seq_len: int | None = None
+    probe_rows: torch.Tensor | None = None
 
 
 def with_decode_split(
@@ -79,6 +96,20 @@ def with_decode_split(
     )
 
 
+def with_static_decode(
+    metadata: SparrowTritonMetadata, max_seq_len: int, probe_rows: ProbeRows
+) -> SparrowTritonMetadata:
+    """`metadata` of a step of pure decodes marked for static decode, the probe-row mask written
+    (when a probe plan is set); other steps unchanged. Runs in the builder, outside any graph: a
+    replay reads the mask written here, at the address its capture read."""
+    if metadata.num_decode_tokens != metadata.num_actual_tokens:
+        return metadata
+    ids = ScheduledDecode.current_probe_row_ids()
+    if ids is not None:
+        probe_rows.write(ids[: metadata.num_decodes])
+    return replace(metadata, static_max_seq_len=max_seq_len, probe_rows=probe_rows.mask)
+
+
 def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
     """The metadata of the rows after the decode rows, as a batch of its own (views, no copies of note)."""
     d, dt = metadata.num_decodes, metadata.num_decode_tokens
@@ -96,6 +127,8 @@ def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
         num_decode_tokens=0,
         decode_seq_lens_cpu=None,
         page_end_slots=None,
+        static_max_seq_len=None,
+        probe_rows=None,
     )
 
 
@@ -110,9 +143,16 @@ def key_value_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tenso
 
 
 class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
-    """Stock metadata, decode rows first, and no full CUDA graphs (see the module doc)."""
+    """Stock metadata, decode rows first; full CUDA graphs of pure-decode steps with static decode only
+    (see the module doc)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        if static_decode_enabled(vllm_config):
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -120,10 +160,19 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         self._init_reorder_batch_threshold(1)
         self.supports_draft_decode_metadata_update = False
         self.cpu_lens_exact = vllm_config.speculative_config is None
+        self.static_max_seq_len: int | None = None
+        self.probe_rows: ProbeRows | None = None
+        if static_decode_enabled(vllm_config):
+            self.static_max_seq_len = vllm_config.model_config.max_model_len
+            sched = vllm_config.scheduler_config  # a graph's batch is at most this many rows
+            self.probe_rows = ProbeRows(max(sched.max_num_seqs, sched.max_num_batched_tokens), device)
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False) -> SparrowTritonMetadata:
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
-        return with_decode_split(metadata, common_attn_metadata, self.cpu_lens_exact)
+        metadata = with_decode_split(metadata, common_attn_metadata, self.cpu_lens_exact)
+        if self.probe_rows is not None:
+            metadata = with_static_decode(metadata, self.static_max_seq_len, self.probe_rows)
+        return metadata
 
 
 class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
@@ -200,6 +249,8 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
             self.centroids = self.page_centroids.table
         tokens = attn_metadata.num_actual_tokens
         decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
+        if attn_metadata.static_max_seq_len is not None:
+            return self._static_forward(query, k_cache, v_cache, attn_metadata, output)
         slots = attn_metadata.slot_mapping[:tokens]
         if decode_tokens < tokens:  # prefill chunks: the last token written to each page (a host sync)
             if attn_metadata.page_end_slots is None:
@@ -219,6 +270,31 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
             super().forward(
                 layer, query[rest], key[rest], value[rest], kv_cache, prefill_rows(attn_metadata), output[rest]
             )
+        return output
+
+    def _static_forward(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: SparrowTritonMetadata,
+        output: torch.Tensor,
+    ) -> torch.Tensor:
+        """A step of pure decodes as a full CUDA graph replays it (see the module doc): the same
+        kernels, sizes and addresses at every step, whatever the lengths, the schedule or the probes."""
+        rows = metadata.num_decodes
+        self.page_centroids.refresh(
+            k_cache, metadata.slot_mapping[: metadata.num_actual_tokens], one_token_per_page=True
+        )
+        if rows == 0:
+            return output
+        q = query[:rows].view(rows, self.num_heads, self.head_size)
+        out = output[:rows].view(rows, self.num_heads, self.head_size)
+        block_table, seq_lens = metadata.block_table[:rows], metadata.seq_lens[:rows]
+        probe_rows = metadata.probe_rows[:rows]
+        out.copy_(
+            self.static_decode_rows(q, k_cache, v_cache, block_table, seq_lens, metadata.static_max_seq_len, probe_rows)
+        )
         return output
 
 

@@ -16,25 +16,42 @@ Probes: while a probe plan is set, rows whose request id carries `PROBE_PREFIX` 
 budget instead of the schedule's (same bins, sink and local blocks). Which request a row belongs to
 is read from the model runner's batch (`row_ids`, set with the plan), in row order.
 
+Static decode (`static_decode_rows`), for a step a CUDA graph captures once and replays at later
+steps: a replay repeats the capture's kernels with the capture's sizes, scalars and addresses, and
+runs no Python. So nothing may depend on the step's values but the device tensors' contents. The
+sizes are those of the longest sequence the engine admits (`DecodeBounds(max_seq_len, its pages)`);
+each row's budget is looked up on the device in per-layer tables indexed by KV length
+(`StaticBudgets`), refilled in place when the schedule or the probe plan changes; which rows are
+probes is a device mask at a fixed address (`ProbeRows`) the host writes before each step, outside
+the graph. Dense layers, and every layer without a schedule, run the same kernels with budgets that
+cover every page, so the schedule can come, change and go under a captured graph. The kernels make
+the fixed sizes cost nothing: a row the budget covers whole is not scored, and each row attends over
+its own selected pages only. The sink and local page counts are kernel arguments, fixed from the
+first static step on: a schedule with others is refused there.
+
 vLLM-free on purpose (torch, `kernels` and the schedule only): the decode path that is ours can then
 be checked on a GPU machine without vLLM (`bench/cuda_check.py`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
 
-from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, sparse_decode_attention
+from kernels import PAGE_SIZE, DecodeBounds, Workspace, block_sparse_decode, decode_bounds, sparse_decode_attention
 from sparrow.schedule import Schedule
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
 PROBE_PREFIX = "probe:"
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+# A schedule's sink and local page counts when none is given.
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Schedule)}
+_DEFAULT_SINK_LOCAL = (_DEFAULTS["sink_blocks"], _DEFAULTS["local_blocks"])
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -43,6 +60,82 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+def page_count(tokens: int) -> int:
+    """Pages of `PAGE_SIZE` tokens that hold `tokens` tokens."""
+    return (tokens + PAGE_SIZE - 1) // PAGE_SIZE
+
+
+class StaticBudgets:
+    """One layer's budgets (in pages) by KV length on the device, for static decode (see module doc).
+
+    `pages[n]` is the budget of a row of `n` cached tokens under the schedule, `probe[n]` that of a
+    probe row under the probe plan (the schedule's while there is none), for n in [0, max_seq_len];
+    a dense layer, or no schedule, gets `max_pages` everywhere: every row whole. `fill` writes them in
+    place (a captured graph keeps reading the same memory).
+    """
+
+    def __init__(self, max_seq_len: int, device: torch.device, sink: int, local: int) -> None:
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.max_seq_len, self.device, self.sink, self.local = max_seq_len, device, sink, local
+        self.max_pages = page_count(max_seq_len)
+        self.bounds = DecodeBounds(max_seq_len, self.max_pages)
+        self.pages = torch.full((max_seq_len + 1,), self.max_pages, dtype=torch.int32, device=device)
+        self.probe = torch.full((max_seq_len + 1,), self.max_pages, dtype=torch.int32, device=device)
+        self.filled: tuple | None = None
+
+    def fill(self, schedule: Schedule | None, dense: bool, probe_pages: tuple[int, ...] | None) -> None:
+        """Write the tables for `schedule` (`dense`: this layer decodes densely) and the probe plan."""
+        if schedule is not None and (schedule.sink_blocks, schedule.local_blocks) != (self.sink, self.local):
+            raise ValueError(
+                f"static decode runs with {self.sink} sink and {self.local} local pages, fixed by its first "
+                f"step (a captured CUDA graph holds them); schedule {schedule.name!r} asks for "
+                f"{schedule.sink_blocks} and {schedule.local_blocks}"
+            )
+        key = (schedule, dense, probe_pages)
+        if self.filled is not None and self.filled[0] is schedule and self.filled[1:] == key[1:]:
+            return
+        if schedule is None or dense:
+            self.pages.fill_(self.max_pages)
+            self.probe.fill_(self.max_pages)
+        else:
+            lens = torch.arange(self.max_seq_len + 1)
+            bins = (lens // schedule.bin_width).clamp(max=schedule.num_bins - 1)
+            table = torch.tensor([b // schedule.page_size for b in schedule.budgets], dtype=torch.int32)
+            self.pages.copy_(table[bins].to(self.device))
+            if probe_pages is not None and len(probe_pages) == schedule.num_bins:
+                table = torch.tensor(probe_pages, dtype=torch.int32)
+            self.probe.copy_(table[bins].to(self.device))
+        self.filled = key
+
+    def budgets(self, seq_lens: torch.Tensor, probe_rows: torch.Tensor) -> torch.Tensor:
+        """Each row's budget in pages: device lookups only (`probe_rows`: the rows' probe mask)."""
+        lens = seq_lens.long().clamp(0, self.max_seq_len)
+        return torch.where(probe_rows, self.probe[lens], self.pages[lens])
+
+
+class ProbeRows:
+    """Which rows of the running batch are probe requests, as a device mask at a fixed address.
+
+    The host writes it before each step (`write`, outside any graph: one non-blocking copy from
+    pinned memory); static decode reads it on the device. Rows past the batch read False.
+    """
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.mask = torch.zeros(capacity, dtype=torch.bool, device=device)
+
+    def write(self, row_ids: Sequence[str | None]) -> None:
+        if len(row_ids) > self.capacity:
+            raise ValueError(f"{len(row_ids)} rows but the probe-row mask holds {self.capacity}")
+        flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in row_ids]
+        flags += [False] * (self.capacity - len(flags))
+        host = torch.tensor(flags, dtype=torch.bool)
+        if self.mask.device.type == "cuda":
+            host = host.pin_memory()
+        self.mask.copy_(host, non_blocking=True)
 
 
 def layer_index_of(layer_name: str) -> int:
@@ -107,9 +200,17 @@ class ScheduledDecode:
     # The last step's host plan, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds,
     # budgets, budgets by device).
     _last_plan: ClassVar[tuple | None] = None
+    static: StaticBudgets | None = None  # this layer's tables, from its first static decode on
+    # The request ids of the running batch's rows while a probe plan is set (the same for every layer).
+    probe_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
 
     def set_schedule(self, schedule: Schedule | None) -> None:
-        """Decode under `schedule` from the next forward on (None: dense)."""
+        """Decode under `schedule` from the next forward on (None: dense).
+
+        Under static decode a schedule whose sink or local page counts differ from the first static
+        step's is refused (ValueError), and the layer keeps its schedule."""
+        if self.static is not None:
+            self.static.fill(schedule, self._dense_under(schedule), self.probe_pages)
         self.schedule = schedule
 
     def set_probe(
@@ -124,11 +225,16 @@ class ScheduledDecode:
         self.probe_pages = None if pages is None else tuple(int(p) for p in pages)
         self.row_ids = row_ids
         self._probe_rows = None
+        ScheduledDecode.probe_row_ids = row_ids
+        if self.static is not None:
+            self.static.fill(self.schedule, self._dense_under(self.schedule), self.probe_pages)
 
     def decodes_densely(self) -> bool:
         """True when this layer decodes every row densely now (no schedule, or a dense layer)."""
-        s = self.schedule
-        return s is None or self.layer_index in s.dense_layers
+        return self._dense_under(self.schedule)
+
+    def _dense_under(self, schedule: Schedule | None) -> bool:
+        return schedule is None or self.layer_index in schedule.dense_layers
 
     def budget_pages(self, seq_lens: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """`Schedule.budget_pages` of each row's KV length, from a per-schedule device table (no host sync);
@@ -207,6 +313,52 @@ class ScheduledDecode:
         if device not in on_device:
             on_device[device] = to_device(budgets, torch.int64, device)
         return bounds, on_device[device]
+
+    def static_decode_rows(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        probe_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """`decode_rows` as a CUDA graph can capture it once and replay it at any later step (see module doc).
+
+        `max_seq_len`: the longest sequence the engine admits (a row's length may not exceed it);
+        `probe_rows`: bool [rows], True for rows of probe requests (`ProbeRows.mask`). Rows of length
+        0 (a graph's padding) attend to nothing. The Triton kernels only: no other backend is captured.
+        """
+        st = self.static
+        if st is None or st.max_seq_len != max_seq_len or st.device != seq_lens.device:
+            s = self.schedule
+            sink, local = (s.sink_blocks, s.local_blocks) if s is not None else _DEFAULT_SINK_LOCAL
+            st = StaticBudgets(max_seq_len, seq_lens.device, sink, local)
+            st.fill(s, self._dense_under(s), self.probe_pages)
+            self.static = st
+        out, _ = block_sparse_decode(
+            q,
+            k_cache,
+            v_cache,
+            self.centroids,
+            block_table,
+            seq_lens,
+            st.budgets(seq_lens, probe_rows),
+            st.sink,
+            st.local,
+            self.scale,
+            self.workspace,
+            backend="triton",
+            bounds=st.bounds,
+        )
+        return out
+
+    @staticmethod
+    def current_probe_row_ids() -> Sequence[str | None] | None:
+        """The running batch's request ids in row order while a probe plan is set, else None."""
+        source = ScheduledDecode.probe_row_ids
+        return None if source is None else source()
 
     def decode_rows(
         self,
