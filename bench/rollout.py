@@ -79,6 +79,7 @@ def run_rollout_bench(
     check_alpha: bool = False,
     seed: int = 0,
     enforce_eager: bool = True,
+    static_decode: bool = False,
 ) -> RolloutBenchResult:
     """Generate the same batch dense, then sparse, with one engine; see the module docstring."""
     import json
@@ -97,6 +98,7 @@ def run_rollout_bench(
             ignore_eos=True,
             seed=seed,
             enforce_eager=enforce_eager,
+            static_decode=static_decode,
             enable_prefix_caching=False,
             kv_cache_gib=max(1, -(-batch * max_len * _kv_bytes_per_token(cfg) // (1 << 30)) + 1),
         )

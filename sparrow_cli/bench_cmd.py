@@ -40,6 +40,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--schedule", required=True, help="schedule: a preset name or a JSON file")
     r.add_argument("--check-alpha", action="store_true", help="also score the sparse tokens densely: p5 per bin")
     r.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
+    r.add_argument(
+        "--static-decode",
+        action="store_true",
+        help="CUDA, with --compile: whole steps of pure decodes as full CUDA graphs (default: piecewise)",
+    )
     r.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     r.add_argument("--json", action="store_true", help="print JSON")
     q = sub.add_parser("parity", help="the generator's sparse logprobs vs the trainer's teacher-forced sparse scoring")

@@ -13,6 +13,8 @@ def _check(args: argparse.Namespace) -> None:
     if not (Path(args.model) / "config.json").is_file():
         raise CliError(f"--model {args.model}: no config.json there (build one with `sparrow model build`)")
     require_positive(args, "prompt_len", "gen_len", "batch", "prompts", "threads")
+    if getattr(args, "static_decode", False) and not args.compile:
+        raise CliError("--static-decode captures CUDA graphs: add --compile")
 
 
 def _schedule(spec: str):
@@ -25,17 +27,11 @@ def _schedule(spec: str):
         raise CliError(f"--schedule {spec}: {exc}") from None
 
 
-def run_engine_bench(args: argparse.Namespace) -> int:
-    """Validate, run the chosen engine benchmark, print text or JSON."""
-    _check(args)
-    os.environ.pop("SPARROW_ATTENTION", None)  # the plugin must be active
-    import torch
-
-    torch.set_num_threads(args.threads)
+def _run(args: argparse.Namespace):
     if args.bench == "rollout":
         from bench.rollout import run_rollout_bench
 
-        result = run_rollout_bench(
+        return run_rollout_bench(
             args.model,
             _schedule(args.schedule),
             args.prompt_len,
@@ -43,12 +39,27 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             args.batch,
             check_alpha=args.check_alpha,
             enforce_eager=not args.compile,
+            static_decode=args.static_decode,
         )
-    else:
-        from bench.parity import run_parity_bench
+    from bench.parity import run_parity_bench
 
-        schedule = _schedule(args.schedule) if args.schedule else None
-        result = run_parity_bench(args.model, schedule, args.prompts, args.prompt_len, args.gen_len)
+    schedule = _schedule(args.schedule) if args.schedule else None
+    return run_parity_bench(args.model, schedule, args.prompts, args.prompt_len, args.gen_len)
+
+
+def run_engine_bench(args: argparse.Namespace) -> int:
+    """Validate, run the chosen engine benchmark, print text or JSON."""
+    _check(args)
+    os.environ.pop("SPARROW_ATTENTION", None)  # the plugin must be active
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from services.generator.engine import EngineError
+
+    try:
+        result = _run(args)
+    except EngineError as exc:  # an engine this machine cannot build as asked: one line, not a traceback
+        raise CliError(str(exc)) from None
     d = result.to_dict()
     if args.json:
         from sparrow_cli.output import emit_json

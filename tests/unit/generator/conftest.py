@@ -15,3 +15,12 @@ def engine():
     e = ReferenceEngine(TINY, kernel_backend="torch", max_model_len=256, max_lora_rank=8)
     yield e
     e.close()
+
+
+@pytest.fixture(autouse=True)
+def _no_probe_source_left():
+    """A probe plan's row source is kept per process (a worker's layers share it): none between tests."""
+    yield
+    from services.generator.plugin.scheduled_decode import ScheduledDecode
+
+    ScheduledDecode.probe_row_ids = None

@@ -76,6 +76,11 @@ def test_bench_engine_commands_refuse_bad_input_in_one_line(tmp_path):
     assert r.returncode == 2 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = sparrow("bench", "rollout", "--model", "models/small", "--schedule", "no-such-preset", "--gen-len", "0")
     assert r.returncode == 2 and "--gen-len must be positive" in r.stderr
+    r = sparrow("bench", "rollout", "--schedule", "qwen3-1.7b-0.86", "--static-decode")
+    assert r.returncode == 2 and "add --compile" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    # The engine's own refusal (this machine's vLLM runs on CPU) is one line too.
+    r = sparrow("bench", "rollout", "--schedule", "qwen3-1.7b-0.86", "--static-decode", "--compile", "--gen-len", "8")
+    assert r.returncode == 2 and "needs a CUDA engine" in r.stderr.strip().splitlines()[-1]
 
 
 def test_probe_rows_take_the_probe_budget_by_request_id_and_the_rest_the_schedule():
