@@ -14,9 +14,11 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
   kernels     every Triton kernel against its torch reference on CUDA, float32 and bfloat16, on a
               contiguous cache and on vLLM's NHD cache view (the kernel tests build CPU tensors, so
               they are not rerun here); float64 references; tolerances in `TOL`
-  decode      pytest tests/unit/generator/test_cuda_backend.py on CUDA: the plugin's decode path
-              (page centroids from slot_mapping, decode under a schedule) against float64 oracles
-              at 1e-5; the impl's own tests run where vLLM imports, against vLLM's real kernel
+  decode      pytest tests/unit/generator/test_cuda_backend.py and test_static_decode.py on CUDA:
+              the plugin's decode path (page centroids from slot_mapping, decode under a schedule)
+              against float64 oracles at 1e-5, and static decode captured once as a CUDA graph and
+              replayed at later steps (other lengths, schedules, probes, dense); the impl's own
+              tests run where vLLM imports, against vLLM's real kernel
   attention   one layer's decode step, batch 8 at 32K, Qwen3-1.7B heads, bf16, vLLM's cache layout:
               dense (our kernel, torch SDPA over a contiguous copy, vLLM's kernel if present) vs the
               plugin's sparse decode at 2048 and 4096 tokens (centroid refresh included), wall time
@@ -28,8 +30,11 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
               cache per layer: dense (our dense kernel in every layer) vs the plugin's sparse
               decode (layers 0-1 dense, centroids refreshed in every layer) at 2048 and 4096
               tokens, eager and replayed as one CUDA graph (the step reads nothing back, so it
-              captures whole); the sparse step at a full budget checked against the dense one.
-              What an engine without vLLM's step overhead would gain; not vLLM's figure
+              captures whole; that graph serves only its own lengths and schedule); and static
+              decode, sized for a 40K engine, whose one capture is replayed under the other
+              budgets and a full one (checked against the eager steps and the dense one): what
+              vLLM's full graphs would run with `cuda_graphs = "full"`. The sparse step at a full
+              budget checked against the dense one. Without vLLM's step overhead; not vLLM's figure
   parity      (vLLM) stock vLLM (TRITON_ATTN) vs the plugin, float32, greedy, a random Qwen3 with
               head_dim 128: sampled-token logprobs over the common prefix within 2e-2 at a budget
               covering every page in every layer (vLLM's float32 kernel may use TF32; ours does not),
@@ -265,9 +270,8 @@ def phase_decode(rec: Record) -> None:
                     outcomes[report.nodeid.split("::")[-1] + ":error"] = str(report.longrepr)[-1500:]
             rec["tests"] = outcomes
 
-    code = pytest.main(
-        ["-q", "-p", "no:cacheprovider", "tests/unit/generator/test_cuda_backend.py"], plugins=[Collect()]
-    )
+    tests = ["tests/unit/generator/test_cuda_backend.py", "tests/unit/generator/test_static_decode.py"]
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *tests], plugins=[Collect()])
     rec.check("failed_tests", float(sum(o == "failed" for o in outcomes.values())), 0.0)
     rec.check("pytest_exit_code", float(code), 0.0)  # collection errors and the like fail too
 
@@ -351,13 +355,16 @@ def phase_model(rec: Record) -> None:
 
     from kernels import DecodeBounds, Workspace, sparse_decode_attention, update_centroids_ref
     from services.generator.plugin.page_centroids import PageCentroids
+    from services.generator.plugin.scheduled_decode import ProbeRows
     from sparrow.schedule import Schedule
 
     if DRY:
         layers, hidden, heads, kv_heads, d, ffn, vocab, batch, ctx, budgets = 3, 64, 4, 2, 16, 128, 256, 2, 512, (64,)
+        max_len = 640
     else:
         layers, hidden, heads, kv_heads, d, ffn, vocab = 28, 2048, 16, 8, 128, 6144, 151936
-        batch, ctx, budgets = 8, 32768, (2048, 4096)
+        batch, ctx, budgets, max_len = 8, 32768, (2048, 4096), 40960
+    rec["static_max_seq_len"] = max_len  # the engine's longest sequence: static decode's sizes
     dtype, bs = getattr(torch, DTYPES[-1]), 16
     rec["shape"] = {"layers": layers, "hidden": hidden, "heads": f"{heads}/{kv_heads}", "head_dim": d,
                     "batch": batch, "context": ctx, "dtype": DTYPES[-1]}  # fmt: skip
@@ -374,6 +381,8 @@ def phase_model(rec: Record) -> None:
     ]  # fmt: skip
     # One paged cache per layer (vLLM's NHD layout, random keys and values), one block table for all.
     k0, v0, table, lens, _ = _paged([ctx] * batch, kv_heads, d, bs, dtype, nhd=True)
+    # Room for the engine's longest sequence, as vLLM's block table has (the rest points at block 0).
+    table = torch.cat((table, table.new_zeros(batch, -(-max_len // bs) - table.shape[1])), dim=1)
     caches = [(k0, v0)]
     for _ in range(layers - 1):
         kv = torch.randn(k0.shape[0], bs, kv_heads, 2 * d, device=DEVICE, generator=g).to(dtype).transpose(1, 2)
@@ -424,6 +433,12 @@ def phase_model(rec: Record) -> None:
         pages[layer].refresh(k_cache, slot, one_token_per_page=True)
         return decoders[layer].decode_rows(q, k_cache, v_cache, table, lens, seq_lens_cpu=lens_cpu)
 
+    probe_rows = ProbeRows(batch, torch.device(DEVICE)).mask  # no probes: all False
+
+    def static(layer, q, k_cache, v_cache):
+        pages[layer].refresh(k_cache, slot, one_token_per_page=True)
+        return decoders[layer].static_decode_rows(q, k_cache, v_cache, table, lens, max_len, probe_rows)
+
     def set_schedule(schedule):
         for dec in decoders:
             dec.set_schedule(schedule)
@@ -454,6 +469,7 @@ def phase_model(rec: Record) -> None:
         )
         runs = {"dense": (None, dense)}
         runs.update({f"sparse_{b}": (Schedule(budgets=(b,), bin_width=ctx), sparse) for b in budgets})
+        runs.update({f"static_{b}": (Schedule(budgets=(b,), bin_width=ctx), static) for b in budgets})
         for name, (schedule, attend) in runs.items():
             set_schedule(schedule)
             step = lambda attend=attend: model_step(attend)  # noqa: E731
@@ -471,6 +487,33 @@ def phase_model(rec: Record) -> None:
         rec["tokens_per_s"] = {
             n: round(batch * 1e3 / rec.data[n].get("graph_ms", rec.data[n]["eager_ms"]), 1) for n in runs
         }
+        # On a CPU (the dry run) "replays" run eagerly: the code is rehearsed, the figures mean nothing.
+        capture = graphed if DEVICE == "cuda" else (lambda fn: fn)
+        _static_replays(rec, model_step, static, set_schedule, capture, reference, budgets, ctx)
+
+
+def _static_replays(rec, model_step, static, set_schedule, graphed, reference, budgets, ctx) -> None:
+    """Static decode's one capture, replayed under each other schedule: it must give what the eager
+    steps give, and the dense step's logits at a full budget (what a full-graph engine relies on)."""
+    from sparrow.schedule import Schedule
+
+    schedules = [Schedule(budgets=(b,), bin_width=ctx) for b in budgets]
+    schedules.append(Schedule(budgets=(ctx,), bin_width=ctx, dense_layers=()))
+    set_schedule(schedules[0])
+    out = {}
+    replay = graphed(lambda: out.__setitem__("logits", model_step(static)))
+    worst = 0.0
+    for schedule in schedules[1:] + schedules[:1]:
+        set_schedule(schedule)
+        eager = model_step(static).double()
+        replay()
+        worst = max(worst, _max_rel(out["logits"], eager))
+    rec.check("static_replay_vs_eager_max_rel", worst, MODEL_REL_TOL["float32"])
+    set_schedule(schedules[-1])
+    replay()
+    rec.check(
+        "static_replay_full_budget_vs_dense_max_rel", _max_rel(out["logits"], reference), MODEL_REL_TOL[DTYPES[-1]]
+    )
 
 
 def _decoder(scale: float, layer: int, centroids):
