@@ -31,7 +31,10 @@ CUDA graphs, two ways:
     admits, budgets looked up on the device, probe rows from a device mask the builder writes before
     each step (`ProbeRows`), so that one capture serves every later step and schedule. vLLM pads such
     a batch to the graph's size with rows of length 0 and slot -1, which attend to nothing and
-    write nowhere.
+    write nowhere. The builder makes every layer's page centroids and tables on its first build
+    after the KV caches are bound (`prepare_static_layers`), before vLLM captures anything: made
+    inside a capture, their allocation and zeroing would be replayed at every step, so a capture
+    that finds none refuses (RuntimeError). Scratch memory is each call's own, which a graph keeps.
 
 Memory: the centroid tables (float32, one row per 16 tokens of cache) are allocated on the first
 forward, outside vLLM's KV budget: about 1/16 of the KV cache's bytes in bf16, 1/32 in float32.
@@ -40,8 +43,9 @@ Leave that much headroom under `gpu_memory_utilization`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
@@ -56,7 +60,13 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from kernels import Workspace
 from services.generator.plugin import STATIC_DECODE
 from services.generator.plugin.page_centroids import PageCentroids, page_ends
-from services.generator.plugin.scheduled_decode import ProbeRows, ScheduledDecode, layer_index_of, refuse_unsupported
+from services.generator.plugin.scheduled_decode import (
+    ProbeRows,
+    ScheduledDecode,
+    capturing,
+    layer_index_of,
+    refuse_unsupported,
+)
 
 
 def static_decode_enabled(vllm_config) -> bool:
@@ -108,6 +118,26 @@ def with_static_decode(
     if ids is not None:
         probe_rows.write(ids[: metadata.num_decodes])
     return replace(metadata, static_max_seq_len=max_seq_len, probe_rows=probe_rows.mask)
+
+
+def prepare_static_layers(layers: Mapping[str, Any], max_seq_len: int) -> bool:
+    """Make every layer's page centroids and static-decode tables, once its KV cache is bound.
+
+    Runs in the builder, outside any graph, before the first step a graph captures: made inside a
+    capture, their allocation and first fill would be replayed at every step (zeroed centroids).
+    `layers`: vLLM's attention layers by name (its static forward context). Returns whether every
+    layer had its cache (vLLM binds the caches after it makes the builders)."""
+    ready = True
+    for name, layer in layers.items():
+        impl = getattr(layer, "impl", None)
+        if not isinstance(impl, SparrowTritonAttentionImpl):
+            continue
+        kv_cache = getattr(layer, "kv_cache", None)
+        if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 4:
+            ready = False
+            continue
+        impl.prepare_static(name, kv_cache, max_seq_len)
+    return ready
 
 
 def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
@@ -162,6 +192,7 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         self.cpu_lens_exact = vllm_config.speculative_config is None
         self.static_max_seq_len: int | None = None
         self.probe_rows: ProbeRows | None = None
+        self.static_prepared = False
         if static_decode_enabled(vllm_config):
             self.static_max_seq_len = vllm_config.model_config.max_model_len
             sched = vllm_config.scheduler_config  # a graph's batch is at most this many rows
@@ -171,6 +202,10 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
         metadata = super().build(common_prefix_len, common_attn_metadata, fast_build)
         metadata = with_decode_split(metadata, common_attn_metadata, self.cpu_lens_exact)
         if self.probe_rows is not None:
+            if not self.static_prepared:
+                context = self.vllm_config.compilation_config.static_forward_context
+                layers = {name: context[name] for name in self.layer_names if name in context}
+                self.static_prepared = prepare_static_layers(layers, self.static_max_seq_len)
             metadata = with_static_decode(metadata, self.static_max_seq_len, self.probe_rows)
         return metadata
 
@@ -244,9 +279,7 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
         if self.layer_index is None:
             self.layer_index = layer_index_of(layer.layer_name)
         k_cache, v_cache = key_value_views(kv_cache, self.head_size)
-        if self.page_centroids is None or not self.page_centroids.fits(k_cache):
-            self.page_centroids = PageCentroids(k_cache)
-            self.centroids = self.page_centroids.table
+        self._ensure_centroids(k_cache)
         tokens = attn_metadata.num_actual_tokens
         decodes, decode_tokens = attn_metadata.num_decodes, attn_metadata.num_decode_tokens
         if attn_metadata.static_max_seq_len is not None:
@@ -271,6 +304,28 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
                 layer, query[rest], key[rest], value[rest], kv_cache, prefill_rows(attn_metadata), output[rest]
             )
         return output
+
+    def _ensure_centroids(self, k_cache: torch.Tensor) -> None:
+        """The page-centroid table of this cache, made on first use (never inside a CUDA graph)."""
+        if self.page_centroids is not None and self.page_centroids.fits(k_cache):
+            return
+        if capturing():
+            raise RuntimeError(
+                "page centroids must be made before a CUDA graph captures a step: inside one, their "
+                "zeroing would be replayed at every step (the builder makes them: prepare_static_layers)"
+            )
+        self.page_centroids = PageCentroids(k_cache)
+        self.centroids = self.page_centroids.table
+
+    def prepare_static(self, layer_name: str, kv_cache: torch.Tensor, max_seq_len: int) -> None:
+        """Make this layer's page centroids and static-decode tables now, outside any graph."""
+        if self.layer_index is None:
+            self.layer_index = layer_index_of(layer_name)
+        k_cache, _ = key_value_views(kv_cache, self.head_size)
+        self._ensure_centroids(k_cache)
+        st = self.static
+        if st is None or st.max_seq_len != max_seq_len or st.device != k_cache.device:
+            self.make_static_tables(max_seq_len, k_cache.device)
 
     def _static_forward(
         self,

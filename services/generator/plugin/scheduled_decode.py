@@ -62,6 +62,11 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return host.to(device)
 
 
+def capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (never on a machine without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def page_count(tokens: int) -> int:
     """Pages of `PAGE_SIZE` tokens that hold `tokens` tokens."""
     return (tokens + PAGE_SIZE - 1) // PAGE_SIZE
@@ -329,14 +334,13 @@ class ScheduledDecode:
         `max_seq_len`: the longest sequence the engine admits (a row's length may not exceed it);
         `probe_rows`: bool [rows], True for rows of probe requests (`ProbeRows.mask`). Rows of length
         0 (a graph's padding) attend to nothing. The Triton kernels only: no other backend is captured.
+        The tables must exist before a graph captures this (`make_static_tables`). Scratch memory is
+        the call's own, not the workspace's: a graph keeps what it allocated, while a workspace buffer
+        regrown later would leave it writing freed memory.
         """
         st = self.static
         if st is None or st.max_seq_len != max_seq_len or st.device != seq_lens.device:
-            s = self.schedule
-            sink, local = (s.sink_blocks, s.local_blocks) if s is not None else _DEFAULT_SINK_LOCAL
-            st = StaticBudgets(max_seq_len, seq_lens.device, sink, local)
-            st.fill(s, self._dense_under(s), self.probe_pages)
-            self.static = st
+            st = self.make_static_tables(max_seq_len, seq_lens.device)
         out, _ = block_sparse_decode(
             q,
             k_cache,
@@ -348,11 +352,28 @@ class ScheduledDecode:
             st.sink,
             st.local,
             self.scale,
-            self.workspace,
+            None,
             backend="triton",
             bounds=st.bounds,
         )
         return out
+
+    def make_static_tables(self, max_seq_len: int, device: torch.device) -> StaticBudgets:
+        """This layer's static-decode tables for the current schedule and probe plan, made now.
+
+        Outside any CUDA graph: made inside one, their allocation and first fill would be replayed at
+        every step (RuntimeError then)."""
+        if capturing():
+            raise RuntimeError(
+                "static decode's budget tables must be made before a CUDA graph captures the step "
+                "(the builder makes them: cuda_backend.prepare_static_layers)"
+            )
+        s = self.schedule
+        sink, local = (s.sink_blocks, s.local_blocks) if s is not None else _DEFAULT_SINK_LOCAL
+        st = StaticBudgets(max_seq_len, device, sink, local)
+        st.fill(s, self._dense_under(s), self.probe_pages)
+        self.static = st
+        return st
 
     @staticmethod
     def current_probe_row_ids() -> Sequence[str | None] | None:

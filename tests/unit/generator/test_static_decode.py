@@ -20,6 +20,8 @@ Two drivers, as in `test_cuda_backend`: "core" (`ScheduledDecode.static_decode_r
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils import _pytree as pytree
@@ -427,8 +429,6 @@ def test_probe_rows_are_written_in_place_and_bounded():
 
 def test_static_decode_is_asked_for_by_the_engine_config():
     pytest.importorskip("vllm")
-    from types import SimpleNamespace
-
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from services.generator.plugin.cuda_backend import STATIC_DECODE, SparrowTritonMetadataBuilder
@@ -466,3 +466,39 @@ def test_an_engine_refuses_static_decode_where_it_cannot_run(tmp_path):
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
     with pytest.raises(EngineError, match="needs a CUDA engine"):  # this machine's vLLM runs on CPU
         VllmEngine(VllmEngineConfig(model=str(tmp_path), static_decode=True, enforce_eager=False))
+
+
+def test_nothing_is_made_inside_a_capture(monkeypatch):
+    # Made inside a capture, a table's allocation and first fill (the centroids' zeroing) would be
+    # replayed at every step: the builder makes them first, and a capture that finds none refuses.
+    pytest.importorskip("vllm")
+    from services.generator.plugin import cuda_backend, scheduled_decode
+
+    batch = PagedBatch(ROWS, MAX_SEQ_LEN)
+    buffers = Buffers(batch)
+    static = ImplStatic(buffers, SPARSE_LAYER)
+    static.decoder.set_schedule(SMALL)
+    batch.step([*PROMPTS, 0])  # the keys are cached; the layer has made nothing yet
+    buffers.load_decode_step()
+    prepared = static.prepare()
+    for module in (scheduled_decode, cuda_backend):
+        monkeypatch.setattr(module, "capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="page centroids must be made before a CUDA graph"):
+        static.run(prepared)
+    with pytest.raises(RuntimeError, match="budget tables must be made before a CUDA graph"):
+        static.decoder.make_static_tables(MAX_SEQ_LEN, torch.device(DEVICE))
+
+    name = static.driver.layer.layer_name
+    unbound = SimpleNamespace(impl=static.decoder, kv_cache=torch.tensor([]))
+    monkeypatch.setattr(cuda_backend, "capturing", lambda: False)
+    monkeypatch.setattr(scheduled_decode, "capturing", lambda: False)
+    assert cuda_backend.prepare_static_layers({name: unbound}, MAX_SEQ_LEN) is False  # not bound yet
+    layers = {name: SimpleNamespace(impl=static.decoder, kv_cache=batch.kv_cache), "other": SimpleNamespace()}
+    assert cuda_backend.prepare_static_layers(layers, MAX_SEQ_LEN) is True
+    # The prefill's pages' centroids, as its (eager) step would have refreshed them.
+    static.decoder.page_centroids.table.copy_(real_rows_centroids(batch))
+    for module in (scheduled_decode, cuda_backend):
+        monkeypatch.setattr(module, "capturing", lambda: True)
+    static.run(prepared)  # nothing left to make: the step runs as a capture would record it
+    want = expected(buffers, SPARSE_LAYER, SMALL, False)
+    torch.testing.assert_close(buffers.out[: ROWS - 1].double().cpu(), want, **TOL)
