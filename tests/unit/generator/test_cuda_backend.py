@@ -150,6 +150,15 @@ def dense_reference(batch: PagedBatch, step: Step) -> torch.Tensor:
     return out
 
 
+def oracle_decode(query: torch.Tensor, batch: PagedBatch, lens: torch.Tensor, budgets: torch.Tensor, schedule):
+    """The kernel oracle's step (float64 output, selected pages) for the batch's first len(lens) rows."""
+    n = len(lens)
+    cpu = (query[:n], batch.k_cache, batch.v_cache, batch.block_table[:n])
+    return oracle.sparse_decode(
+        *(t.cpu() for t in cpu), lens, budgets, schedule.sink_blocks, schedule.local_blocks, SCALE
+    )
+
+
 def scratch_centroids(batch: PagedBatch) -> torch.Tensor:
     """Every page's centroid computed afresh from the cache (the kernels' reference)."""
     fresh = new_centroids(batch.k_cache)
@@ -362,17 +371,7 @@ def test_small_budgets_match_the_oracle_page_for_page_and_centroids_stay_current
             continue
         lens = step.seq_lens[:nd].cpu()
         budgets = SMALL.budget_pages(lens)
-        want, want_pages = oracle.sparse_decode(
-            step.query[:nd].cpu(),
-            batch.k_cache.cpu(),
-            batch.v_cache.cpu(),
-            batch.block_table[:nd].cpu(),
-            lens,
-            budgets,
-            SMALL.sink_blocks,
-            SMALL.local_blocks,
-            SCALE,
-        )
+        want, want_pages = oracle_decode(step.query, batch, lens, budgets, SMALL)
         assert oracle.as_index_lists(selected[-1]) == want_pages
         torch.testing.assert_close(decoded.double().cpu(), want, **TOL)
         pages = oracle.pages_of

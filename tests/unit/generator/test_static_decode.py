@@ -45,9 +45,9 @@ from tests.unit.generator.test_cuda_backend import (
     ImplDriver,
     PagedBatch,
     dense_reference,
+    oracle_decode,
     stock,  # noqa: F401 (the fixture standing in for vLLM's kernel on CPU, used below)
 )
-from tests.unit.kernels import kernel_oracle as oracle
 
 MAX_SEQ_LEN = 512  # the engine's longest sequence: the static sizes
 ROWS = len(PROMPTS) + 1  # the decode rows and one padding row (length 0, slot -1), as vLLM pads a graph's batch
@@ -265,18 +265,7 @@ def expected(buffers: Buffers, layer: int, schedule: Schedule | None, probe: boo
         for r, rid in enumerate(PROBE_IDS):
             if rid is not None and rid.startswith("probe:"):
                 budgets[r] = PROBE_PAGES[schedule.bin_of(int(lens[r]))]
-    want, _ = oracle.sparse_decode(
-        buffers.q[:n].cpu(),
-        b.k_cache.cpu(),
-        b.v_cache.cpu(),
-        b.block_table[:n].cpu(),
-        lens,
-        budgets,
-        schedule.sink_blocks,
-        schedule.local_blocks,
-        SCALE,
-    )
-    return want
+    return oracle_decode(buffers.q, b, lens, budgets, schedule)[0]
 
 
 # What changes between the steps a capture must serve: (schedule, probe plan on).
