@@ -125,9 +125,9 @@ def prepare_static_layers(layers: Mapping[str, Any], max_seq_len: int) -> bool:
 
     Runs in the builder, outside any graph, before the first step a graph captures: made inside a
     capture, their allocation and first fill would be replayed at every step (zeroed centroids).
-    `layers`: vLLM's attention layers by name (its static forward context). Returns whether every
-    layer had its cache (vLLM binds the caches after it makes the builders)."""
-    ready = True
+    `layers`: vLLM's attention layers by name (its static forward context). Returns whether there
+    were layers of ours and each had its cache (vLLM binds the caches after it makes the builders)."""
+    ready, prepared = True, 0
     for name, layer in layers.items():
         impl = getattr(layer, "impl", None)
         if not isinstance(impl, SparrowTritonAttentionImpl):
@@ -137,7 +137,8 @@ def prepare_static_layers(layers: Mapping[str, Any], max_seq_len: int) -> bool:
             ready = False
             continue
         impl.prepare_static(name, kv_cache, max_seq_len)
-    return ready
+        prepared += 1
+    return ready and prepared > 0
 
 
 def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:

@@ -178,14 +178,45 @@ class CoreStatic:
 
 
 class ImplStatic:
-    """`SparrowTritonAttentionImpl.forward` on static-decode metadata over the buffers."""
+    """`SparrowTritonAttentionImpl.forward` on the metadata of the CUDA backend's own builder, built
+    from a real vLLM config of an engine with static decode on (vLLM's CPU build makes it here).
 
-    def __init__(self, buffers: Buffers, layer: int) -> None:
+    The builder finds the layer in vLLM's static forward context (`register`), as in an engine."""
+
+    def __init__(self, buffers: Buffers, layer: int, register: bool = True) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from services.generator.plugin import STATIC_DECODE
+        from services.generator.plugin.cuda_backend import SparrowTritonMetadataBuilder
+        from tests.unit.generator.tiny_models import TINY
+
         self.driver = ImplDriver(buffers.batch, layer, None)
         self.decoder = self.driver.impl
         self.buffers = buffers
         self.query_start_loc = torch.arange(ROWS + 1, dtype=torch.int32, device=DEVICE).clamp(max=ROWS - 1)
         self.output = torch.zeros(ROWS, KV_HEADS * GROUP, HEAD_DIM, device=DEVICE)
+        engine = EngineArgs(
+            model=str(TINY),
+            max_model_len=MAX_SEQ_LEN,
+            max_num_seqs=8,
+            skip_tokenizer_init=True,
+            enforce_eager=True,  # the CPU platform's; the builder reads only what static decode needs
+            additional_config={STATIC_DECODE: True},
+        )
+        self.config = engine.create_engine_config()
+        spec = FullAttentionSpec(block_size=16, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+        name = self.driver.layer.layer_name
+        with set_current_vllm_config(self.config):
+            self.builder = SparrowTritonMetadataBuilder(spec, [name], self.config, torch.device(DEVICE))
+        if register:
+            self.register()
+
+    def register(self) -> None:
+        """The layer in vLLM's static forward context, its KV cache bound."""
+        context = self.config.compilation_config.static_forward_context
+        context[self.driver.layer.layer_name] = SimpleNamespace(impl=self.decoder, kv_cache=self.buffers.batch.kv_cache)
 
     @property
     def centroids(self) -> torch.Tensor:
@@ -197,12 +228,8 @@ class ImplStatic:
     def prepare(self):
         """The builder's part, before the step and outside any graph: the metadata (probe rows written)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadata
-
-        from services.generator.plugin.cuda_backend import with_decode_split, with_static_decode
 
         b = self.buffers
-        table = b.batch.block_table[:ROWS]
         common = CommonAttentionMetadata(
             query_start_loc=self.query_start_loc,
             query_start_loc_cpu=self.query_start_loc.cpu(),
@@ -212,26 +239,10 @@ class ImplStatic:
             num_actual_tokens=ROWS - 1,
             max_query_len=1,
             max_seq_len=MAX_SEQ_LEN,
-            block_table_tensor=table,
+            block_table_tensor=b.batch.block_table[:ROWS],
             slot_mapping=b.slots,
         )
-        segments = (16, KV_HEADS * GROUP, 16)
-        metadata = TritonAttentionMetadata(
-            num_actual_tokens=ROWS - 1,
-            max_query_len=1,
-            query_start_loc=self.query_start_loc,
-            max_seq_len=MAX_SEQ_LEN,
-            seq_lens=b.seq_lens,
-            block_table=table,
-            slot_mapping=b.slots,
-            seq_threshold_3D=16,
-            num_par_softmax_segments=16,
-            softmax_segm_output=torch.empty(*segments, HEAD_DIM, device=DEVICE),
-            softmax_segm_max=torch.empty(*segments, device=DEVICE),
-            softmax_segm_expsum=torch.empty(*segments, device=DEVICE),
-            causal=True,
-        )
-        return with_static_decode(with_decode_split(metadata, common), MAX_SEQ_LEN, b.probe)
+        return self.builder.build(0, common)
 
     def run(self, metadata) -> None:
         b = self.buffers
@@ -463,31 +474,35 @@ def test_nothing_is_made_inside_a_capture(monkeypatch):
     pytest.importorskip("vllm")
     from services.generator.plugin import cuda_backend, scheduled_decode
 
+    def capture(on: bool) -> None:
+        for module in (scheduled_decode, cuda_backend):
+            monkeypatch.setattr(module, "capturing", lambda: on)
+
     batch = PagedBatch(ROWS, MAX_SEQ_LEN)
     buffers = Buffers(batch)
-    static = ImplStatic(buffers, SPARSE_LAYER)
+    static = ImplStatic(buffers, SPARSE_LAYER, register=False)  # the builder cannot see the layer
     static.decoder.set_schedule(SMALL)
     batch.step([*PROMPTS, 0])  # the keys are cached; the layer has made nothing yet
     buffers.load_decode_step()
     prepared = static.prepare()
-    for module in (scheduled_decode, cuda_backend):
-        monkeypatch.setattr(module, "capturing", lambda: True)
+    assert static.decoder.page_centroids is None and static.decoder.static is None
+    assert not static.builder.static_prepared  # it tries again at the next build
+    capture(True)
     with pytest.raises(RuntimeError, match="page centroids must be made before a CUDA graph"):
         static.run(prepared)
     with pytest.raises(RuntimeError, match="budget tables must be made before a CUDA graph"):
         static.decoder.make_static_tables(MAX_SEQ_LEN, torch.device(DEVICE))
 
+    capture(False)
     name = static.driver.layer.layer_name
-    unbound = SimpleNamespace(impl=static.decoder, kv_cache=torch.tensor([]))
-    monkeypatch.setattr(cuda_backend, "capturing", lambda: False)
-    monkeypatch.setattr(scheduled_decode, "capturing", lambda: False)
-    assert cuda_backend.prepare_static_layers({name: unbound}, MAX_SEQ_LEN) is False  # not bound yet
-    layers = {name: SimpleNamespace(impl=static.decoder, kv_cache=batch.kv_cache), "other": SimpleNamespace()}
-    assert cuda_backend.prepare_static_layers(layers, MAX_SEQ_LEN) is True
+    unbound = {name: SimpleNamespace(impl=static.decoder, kv_cache=torch.tensor([]))}
+    assert cuda_backend.prepare_static_layers(unbound, MAX_SEQ_LEN) is False  # vLLM binds caches later
+    static.register()
+    prepared = static.prepare()  # the next build makes them
+    assert static.builder.static_prepared and static.decoder.static.max_seq_len == MAX_SEQ_LEN
     # The prefill's pages' centroids, as its (eager) step would have refreshed them.
     static.decoder.page_centroids.table.copy_(real_rows_centroids(batch))
-    for module in (scheduled_decode, cuda_backend):
-        monkeypatch.setattr(module, "capturing", lambda: True)
+    capture(True)
     static.run(prepared)  # nothing left to make: the step runs as a capture would record it
     want = expected(buffers, SPARSE_LAYER, SMALL, False)
     torch.testing.assert_close(buffers.out[: ROWS - 1].double().cpu(), want, **TOL)
