@@ -14,8 +14,8 @@ On a GPU (`bench/cuda_check.py` runs this file) the step is captured as a real C
 replayed at the later steps instead.
 
 Two drivers, as in `test_cuda_backend`: "core" (`ScheduledDecode.static_decode_rows` and
-`PageCentroids`, vLLM-free) and "impl" (`SparrowTritonAttentionImpl.forward` on metadata marked by
-`with_static_decode`, vLLM's types; needs vLLM).
+`PageCentroids`, vLLM-free) and "impl" (`SparrowTritonAttentionImpl.forward` on the metadata of the
+backend's own builder, made from a real vLLM config; needs vLLM).
 """
 
 from __future__ import annotations
