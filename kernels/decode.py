@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend, triton_interpreted
-from .layout import PAGE_SIZE, check_centroids, check_paged_cache, flat_page_index, num_pages
+from .layout import PAGE_SIZE, check_budgets, check_centroids, check_paged_cache, flat_page_index, num_pages
 from .select import DecodeBounds, score_blocks, select_blocks
 from .workspace import Workspace
 
@@ -320,8 +320,7 @@ def sparse_decode_attention_triton(
         raise ValueError(f"page_indices must be int32 or int64, got {page_indices.dtype}")
     if seq_lens.is_floating_point():
         raise ValueError(f"seq_lens must be an integer tensor, got {seq_lens.dtype}")
-    if budgets is not None and (budgets.shape != seq_lens.shape or budgets.is_floating_point()):
-        raise ValueError(f"budgets must be integers shaped like seq_lens {tuple(seq_lens.shape)}")
+    check_budgets(budgets, seq_lens)
     fp32_on_gpu = k_cache.dtype == torch.float32 and not triton_interpreted()
     block_n = (16 if fp32_on_gpu else 64) if block_n is None else block_n
     if block_n < PAGE_SIZE or block_n & (block_n - 1):

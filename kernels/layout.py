@@ -18,9 +18,15 @@ import torch
 PAGE_SIZE = 16
 
 
-def num_pages(seq_lens: torch.Tensor) -> torch.Tensor:
-    """Pages (16-token blocks) that hold `seq_lens` tokens, the last one possibly partial."""
+def num_pages(seq_lens: torch.Tensor | int) -> torch.Tensor | int:
+    """Pages (16-token blocks) that hold `seq_lens` tokens, the last one possibly partial (a tensor or an int)."""
     return (seq_lens + PAGE_SIZE - 1) // PAGE_SIZE
+
+
+def check_budgets(budgets: torch.Tensor | None, seq_lens: torch.Tensor) -> None:
+    """Raise ValueError unless `budgets` (None: not given) are integers, one per row of `seq_lens`."""
+    if budgets is not None and (budgets.shape != seq_lens.shape or budgets.is_floating_point()):
+        raise ValueError(f"budgets must be integers shaped like seq_lens {tuple(seq_lens.shape)}")
 
 
 def check_paged_cache(

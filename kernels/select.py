@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend
-from .layout import PAGE_SIZE, check_centroids, check_paged_cache, flat_page_index, num_pages
+from .layout import PAGE_SIZE, check_budgets, check_centroids, check_paged_cache, flat_page_index, num_pages
 
 
 class DecodeBounds(NamedTuple):
@@ -48,7 +48,7 @@ def decode_bounds(seq_lens: Sequence[int], budgets: Sequence[int], sink: int, lo
     for n_tokens, k in zip(seq_lens, budgets, strict=True):
         if n_tokens < 1:
             raise ValueError("every row must hold at least one cached token")
-        n = (n_tokens + PAGE_SIZE - 1) // PAGE_SIZE
+        n = num_pages(n_tokens)
         if n > k and k < sink + local:
             raise ValueError(f"a budget of fewer than {sink + local} pages cannot hold the sink and local pages")
         longest, width = max(longest, n_tokens), max(width, min(n, k))
@@ -126,7 +126,7 @@ def check_selection_inputs(
     if sink < 0 or local < 0:
         raise ValueError(f"sink ({sink}) and local ({local}) page counts must be >= 0")
     if bounds is not None:
-        if (bounds.max_seq_len + PAGE_SIZE - 1) // PAGE_SIZE > scores.shape[2]:
+        if num_pages(bounds.max_seq_len) > scores.shape[2]:
             raise ValueError(f"scores hold {scores.shape[2]} pages but a row may have {bounds.max_seq_len} tokens")
         return
     if seq_lens.numel() == 0:
@@ -277,8 +277,7 @@ def score_blocks_triton(
     """
     max_seq_len = None if bounds is None else bounds.max_seq_len
     check_score_inputs(q, centroids, k_cache, block_table, seq_lens, max_seq_len)
-    if budgets is not None and (budgets.shape != seq_lens.shape or budgets.is_floating_point()):
-        raise ValueError(f"budgets must be integers shaped like seq_lens {tuple(seq_lens.shape)}")
+    check_budgets(budgets, seq_lens)
     if centroids.dtype != torch.float32:
         raise ValueError(f"centroids must be float32, got {centroids.dtype}")
     if not q.is_floating_point():
@@ -288,7 +287,7 @@ def score_blocks_triton(
     rows, hq, d = q.shape
     h = centroids.shape[1]
     if max_seq_len is not None:
-        max_pages = (max_seq_len + PAGE_SIZE - 1) // PAGE_SIZE if rows else 0
+        max_pages = num_pages(max_seq_len) if rows else 0
     else:
         max_pages = int(num_pages(seq_lens.long()).max()) if rows else 0
     out = torch.empty(rows, h, max_pages, dtype=torch.float32, device=q.device)

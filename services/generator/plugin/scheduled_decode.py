@@ -42,8 +42,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels import PAGE_SIZE, DecodeBounds, Workspace, block_sparse_decode, decode_bounds, sparse_decode_attention
-from sparrow.schedule import Schedule
+from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, num_pages, sparse_decode_attention
+from sparrow.schedule import Schedule, per_bin
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
 PROBE_PREFIX = "probe:"
@@ -67,11 +67,6 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def page_count(tokens: int) -> int:
-    """Pages of `PAGE_SIZE` tokens that hold `tokens` tokens."""
-    return (tokens + PAGE_SIZE - 1) // PAGE_SIZE
-
-
 class StaticBudgets:
     """One layer's budgets (in pages) by KV length on the device, for static decode (see module doc).
 
@@ -85,7 +80,7 @@ class StaticBudgets:
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
         self.max_seq_len, self.device, self.sink, self.local = max_seq_len, device, sink, local
-        self.max_pages = page_count(max_seq_len)
+        self.max_pages = num_pages(max_seq_len)
         self.bounds = DecodeBounds(max_seq_len, self.max_pages)
         self.pages = torch.full((max_seq_len + 1,), self.max_pages, dtype=torch.int32, device=device)
         self.probe = torch.full((max_seq_len + 1,), self.max_pages, dtype=torch.int32, device=device)
@@ -107,12 +102,11 @@ class StaticBudgets:
             self.probe.fill_(self.max_pages)
         else:
             lens = torch.arange(self.max_seq_len + 1)
-            bins = (lens // schedule.bin_width).clamp(max=schedule.num_bins - 1)
-            table = torch.tensor([b // schedule.page_size for b in schedule.budgets], dtype=torch.int32)
-            self.pages.copy_(table[bins].to(self.device))
+            pages = schedule.budget_pages(lens)
+            self.pages.copy_(pages.to(self.device))
             if probe_pages is not None and len(probe_pages) == schedule.num_bins:
-                table = torch.tensor(probe_pages, dtype=torch.int32)
-            self.probe.copy_(table[bins].to(self.device))
+                pages = per_bin(probe_pages, schedule.bin_width, lens)
+            self.probe.copy_(pages.to(self.device))
         self.filled = key
 
     def budgets(self, seq_lens: torch.Tensor, probe_rows: torch.Tensor) -> torch.Tensor:
