@@ -46,6 +46,7 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
     except ImportError as exc:
         hint = "engine.kind = 'reference' needs no vLLM"
         raise SetupError(f"the vllm engine cannot be imported here ({exc}); {hint}") from None
+    cuda = _cuda()
     try:
         return VllmEngine(
             VllmEngineConfig(
@@ -54,8 +55,8 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 max_model_len=e.max_model_len,
                 max_num_seqs=e.max_num_seqs,
                 gpu_memory_utilization=e.gpu_memory_utilization,
-                enforce_eager=e.cuda_graphs == "off" or not _cuda(),
-                static_decode=e.cuda_graphs == "full" and _cuda(),
+                enforce_eager=e.cuda_graphs == "off" or not cuda,
+                static_decode=e.cuda_graphs == "full" and cuda,
                 enable_lora=e.enable_lora,
                 max_lora_rank=e.max_lora_rank,
                 seed=e.seed,

@@ -28,7 +28,7 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
-from services.generator.plugin import STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
+from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import PROBE_PREFIX
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
@@ -399,5 +399,7 @@ def _check_static_decode(config: VllmEngineConfig) -> None:
         raise EngineError("static decode (full CUDA graphs of decode steps) needs a CUDA engine")
     if config.enforce_eager:
         raise EngineError("static decode captures CUDA graphs: it needs enforce_eager off")
-    if (config.attention_backend or engine_attention_backend()) != "TRITON_ATTN":
-        raise EngineError("static decode needs the plugin's attention (TRITON_ATTN, SPARROW_ATTENTION not stock)")
+    if (config.attention_backend or engine_attention_backend()) != CUDA_BACKEND_NAME:
+        raise EngineError(
+            f"static decode needs the plugin's attention ({CUDA_BACKEND_NAME}, SPARROW_ATTENTION not stock)"
+        )
