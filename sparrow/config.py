@@ -90,6 +90,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib decodes before it parses
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
 

@@ -71,6 +71,14 @@ def test_validation_errors_are_one_line(tmp_path, monkeypatch):
         load_config(Demo, tmp_path / "missing.toml")
 
 
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_bytes(b"\xff\xfename = 1\n")
+    with pytest.raises(ConfigError, match=r"cannot read config file .*c.toml: not UTF-8") as info:
+        load_config(Demo, path)
+    assert "\n" not in str(info.value)
+
+
 def test_dump_is_json_with_secrets_masked():
     dumped = json.loads(load_config(Demo, overrides={"name": "x"}).dump())
     assert dumped == {"name": "x", "optim": {"lr": 1e-6, "steps": 10}, "token": "**********"}
