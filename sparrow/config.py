@@ -16,12 +16,13 @@ docstring under it), checked when the class is defined.
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
-from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, SettingsError
 
 
 class ConfigError(ValueError):
@@ -76,7 +77,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: dict[st
     _check_keys(cls, file_data, f"in {path}")
     flags = _expand_dotted(overrides or {})
     _check_keys(cls, flags, "in overrides")
-    env_data = EnvSettingsSource(cls)()
+    env_data = _read_env(cls)
     merged = _merge(_merge(file_data, env_data), flags)
     try:
         return cls(**merged)
@@ -94,6 +95,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: not UTF-8 text (byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
+
+
+def _read_env(cls: type[SparrowConfig]) -> dict[str, Any]:
+    try:
+        return EnvSettingsSource(cls)()
+    except SettingsError as exc:  # a section given whole (SPARROW_OPTIM='{...}') must be JSON
+        field = re.search(r'field "([^"]+)"', str(exc))
+        name = f"{cls.model_config.get('env_prefix', '')}{field.group(1).upper()}" if field else "a SPARROW_ variable"
+        raise ConfigError(f"cannot read {name} from the environment: not valid JSON ({exc.__cause__ or exc})") from None
 
 
 def _expand_dotted(flat: dict[str, Any]) -> dict[str, Any]:

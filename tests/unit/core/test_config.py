@@ -79,6 +79,13 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     assert "\n" not in str(info.value)
 
 
+def test_a_section_from_the_environment_that_is_not_json_is_one_line(monkeypatch):
+    monkeypatch.setenv("SPARROW_OPTIM", "{lr: 1")
+    with pytest.raises(ConfigError, match=r"SPARROW_OPTIM.*JSON") as info:
+        load_config(Demo)
+    assert "\n" not in str(info.value)
+
+
 def test_dump_is_json_with_secrets_masked():
     dumped = json.loads(load_config(Demo, overrides={"name": "x"}).dump())
     assert dumped == {"name": "x", "optim": {"lr": 1e-6, "steps": 10}, "token": "**********"}
