@@ -31,8 +31,9 @@ def run(args: argparse.Namespace) -> int:
     from sparrow.models import resolve_model
     from sparrow.presets import resolve_schedule
     from sparrow.schedule import ScheduleError
-    from sparrow_cli.errors import CliError
+    from sparrow_cli.errors import CliError, require_positive
 
+    require_positive(args, "context", "budget", "batch")
     try:
         schedule = resolve_schedule(args.preset)
     except ScheduleError as exc:
@@ -43,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(1)  # as `sparrow bench attention` does by default: reproducible on a shared machine
-    bench = run_attention_bench(context=args.context, budget=args.budget, batch=args.batch, iters=5)
+    try:
+        bench = run_attention_bench(context=args.context, budget=args.budget, batch=args.batch, iters=5)
+    except (ValueError, RuntimeError) as exc:  # as `sparrow bench attention`: a bad shape is one line
+        raise CliError(str(exc)) from None
     ok = bench.max_abs_diff_full_budget <= 1e-4
 
     if args.json:

@@ -53,3 +53,17 @@ def test_selfcheck_json():
     assert out["schedule"]["name"] == "qwen3-1.7b-0.86" and len(out["schedule"]["budgets"]) == 20
     assert out["cost"]["speedup"] > 1
     assert out["bench"]["context"] == 2048
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--budget", "100"], "multiple of 16"),
+        (["--context", "0"], "--context must be positive"),
+        (["--batch", "-1"], "--batch must be positive"),
+    ],
+)
+def test_selfcheck_bad_input(args, message):
+    r = sparrow("selfcheck", *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
