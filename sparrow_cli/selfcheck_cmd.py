@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_PRESET = "qwen3-1.7b-0.86"
+DEFAULT_MODEL = "qwen3-1.7b"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from bench.attention import run_attention_bench
     from sparrow.cost import predict
     from sparrow.hardware import get_hardware
-    from sparrow.models import resolve_model
+    from sparrow.models import get_model, list_models
     from sparrow.presets import resolve_schedule
     from sparrow.schedule import ScheduleError
     from sparrow_cli.errors import CliError, require_positive
@@ -38,8 +39,9 @@ def run(args: argparse.Namespace) -> int:
         schedule = resolve_schedule(args.preset)
     except ScheduleError as exc:
         raise CliError(str(exc)) from None
-    model_name = "-".join(schedule.name.split("-")[:2]) if schedule.name else "qwen3-1.7b"
-    model = resolve_model(model_name)
+    # A preset is named after its model (qwen3-4b-0.86); any other schedule is priced on the default model.
+    model_name = "-".join((schedule.name or "").split("-")[:2]).lower()
+    model = get_model(model_name if model_name in list_models() else DEFAULT_MODEL)
     cost = predict(model, schedule, get_hardware("h200"), 512, 32768, 8)
     import torch
 

@@ -67,3 +67,12 @@ def test_selfcheck_bad_input(args, message):
     r = sparrow("selfcheck", *args)
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_selfcheck_takes_a_schedule_file_named_after_no_model(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "budgets": [256, 512]}))
+    r = sparrow("selfcheck", "--preset", path, "--context", "1024", "--budget", "256", "--batch", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["schedule"]["name"] == "mine" and out["cost"]["model"] == "qwen3-1.7b"
