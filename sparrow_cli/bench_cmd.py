@@ -154,7 +154,7 @@ def _heldout(args: argparse.Namespace) -> int:
 
 
 def _attention(args: argparse.Namespace) -> int:
-    require_positive(args, "context", "budget", "batch", "kv_heads", "q_heads", "head_dim", "iters")
+    require_positive(args, "context", "budget", "batch", "kv_heads", "q_heads", "head_dim", "block_size", "iters")
     import torch
 
     from bench.attention import run_attention_bench

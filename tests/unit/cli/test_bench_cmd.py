@@ -37,6 +37,8 @@ def test_bench_attention_text():
         (["--budget", "100"], "multiple of 16"),
         (["--context", "0"], "--context must be positive"),
         (["--q-heads", "3"], "cannot share"),
+        (["--block-size", "0"], "--block-size must be positive"),
+        (["--block-size", "-16"], "--block-size must be positive"),
     ],
 )
 def test_bench_attention_bad_input(args, message):
