@@ -151,6 +151,8 @@ def resolve_model(spec: str) -> ModelSpec:
             data = json.loads(path.read_text())
         except OSError as exc:
             raise ModelSpecError(f"cannot read model config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ModelSpecError(f"cannot read model config {path}: not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ModelSpecError(f"{path}: malformed JSON: {exc.msg} at line {exc.lineno}") from None
         if not isinstance(data, dict):

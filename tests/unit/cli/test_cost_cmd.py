@@ -62,3 +62,11 @@ def test_cost_with_a_misaligned_schedule_file(tmp_path):
     r = sparrow(*BASE[:3], "--schedule", path)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "not a multiple of the page size" in r.stderr
+
+
+def test_cost_with_a_model_config_that_is_not_utf8(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xff\xfe{}")
+    r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "cannot read model config" in r.stderr
