@@ -29,7 +29,15 @@ class ModelSpec:
     qk_norm: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+        ):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelSpecError(f"{self.name}: {key} must be a positive integer, got {value!r}")
@@ -126,7 +134,9 @@ def from_hf_config(config: dict[str, Any], name: str | None = None) -> ModelSpec
     heads = config["num_attention_heads"]
     hidden = config["hidden_size"]
     # Older configs omit these: KV heads then equal query heads, head_dim is hidden / heads.
-    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else 0)
+    head_dim = config.get("head_dim") or (
+        hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else 0
+    )
     return ModelSpec(
         name=name or config.get("_name_or_path") or config.get("model_type") or "hf-model",
         hidden_size=hidden,

@@ -70,3 +70,21 @@ def test_cost_with_a_model_config_that_is_not_utf8(tmp_path):
     r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "cannot read model config" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("num_attention_heads", "8", "num_heads must be a positive integer, got '8'"),
+        ("vocab_size", "many", "vocab_size must be a positive integer, got 'many'"),
+        ("vocab_size", -5, "vocab_size must be a positive integer, got -5"),
+    ],
+)
+def test_cost_with_a_mistyped_model_config(tmp_path, field, value, fragment):
+    config = {"hidden_size": 1024, "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 8}
+    config |= {"intermediate_size": 3072, "vocab_size": 1000, field: value}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and fragment in r.stderr
