@@ -1,4 +1,6 @@
-"""The one error type commands raise for mistakes a user can make."""
+"""The one error type commands raise for mistakes a user can make, and the checks that raise it."""
+
+from pathlib import Path
 
 
 class CliError(Exception):
@@ -14,3 +16,12 @@ def require_positive(args, *names: str) -> None:
         value = getattr(args, name, 1)
         if value < 1:
             raise CliError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
+def require_output_folder(flag: str, path: str) -> None:
+    """CliError unless `path` is a folder or can become one: checked before a long run that writes it at the end."""
+    p = Path(path)
+    existing = next((q for q in (p, *p.parents) if q.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "" if existing == p else f" ({existing} is a file)"
+        raise CliError(f"{flag} {path}: not a folder{where}")

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from sparrow_cli.errors import CliError
+from sparrow_cli.errors import CliError, require_output_folder
 
 
 def _difficulty(text: str) -> tuple[int, int]:
@@ -81,6 +81,7 @@ def _build(args: argparse.Namespace) -> int:
         if args.eval_samples < 1:
             raise CliError(f"--eval-samples must be >= 1, got {args.eval_samples}")
         cfg.eval_samples = args.eval_samples
+    require_output_folder("--out", args.out)
     info = build(cfg, Path(args.out), command=["sparrow", *sys.argv[1:]] if sys.argv[1:2] == ["model"] else None)
     print(f"saved {args.out} ({info['parameters']} parameters, {info['steps_done']} steps, {info['train_seconds']}s)")
     return 0
