@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sparrow_cli.errors import CliError, require_positive
+from sparrow_cli.errors import CliError, require_output_file, require_positive
 
 
 def _settings(args: argparse.Namespace):
@@ -19,6 +19,8 @@ def _settings(args: argparse.Namespace):
     require_positive(
         args, "bin_width", "pairs", "hops", "steps", "groups", "group_size", "heldout", "rank", "epochs", "threads"
     )
+    require_output_file("--out", args.out)
+    require_output_file("--plot", args.plot)
     if args.group_size < 2:
         raise CliError("--group-size must be at least 2 (GRPO compares samples within a group)")
     try:

@@ -25,3 +25,17 @@ def require_output_folder(flag: str, path: str) -> None:
     if existing is not None and not existing.is_dir():
         where = "" if existing == p else f" ({existing} is a file)"
         raise CliError(f"{flag} {path}: not a folder{where}")
+
+
+def require_output_file(flag: str, path: str | None) -> None:
+    """CliError unless the file `path` (None: flag not given) can be written in an existing folder.
+
+    Checked before a long run that writes it at the end, so that a typo does not cost the run.
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag} {path}: is a folder")
+    if not p.parent.is_dir():
+        raise CliError(f"{flag} {path}: no folder {p.parent}")

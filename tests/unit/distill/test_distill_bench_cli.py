@@ -30,6 +30,18 @@ def test_bad_flags_are_one_line_and_exit_2(args, message):
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+@pytest.mark.parametrize("where", ["folder", "missing_folder"])
+def test_an_output_that_cannot_be_written_is_one_line_before_the_run(tmp_path, flag, where):
+    path = tmp_path if where == "folder" else tmp_path / "no" / "such.png"
+    run = ("--steps", "1", "--groups", "1", "--group-size", "2", "--heldout", "1", flag, path)
+    r = sparrow("bench", "distill", *TINY_RUN, *run, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} {path}" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
 @pytest.mark.slow
 def test_a_tiny_run_reports_bins_before_and_after_and_writes_json_and_a_plot(tmp_path):
     out, png = tmp_path / "report.json", tmp_path / "distill.png"
