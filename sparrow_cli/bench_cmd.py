@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sparrow_cli.errors import CliError, require_positive
+from sparrow_cli.errors import CliError, require_output_file, require_positive
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -127,6 +127,8 @@ def _heldout(args: argparse.Namespace) -> int:
     from trainer.model_io import ModelLoadError
 
     require_positive(args, "every", "samples", "threads")
+    require_output_file("--out", args.out)
+    require_output_file("--plot", args.plot)
     try:
         difficulties = [_difficulty(d) for d in (args.difficulty or ["64:200"])]
     except argparse.ArgumentTypeError as exc:

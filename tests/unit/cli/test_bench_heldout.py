@@ -84,6 +84,16 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_an_output_that_is_a_folder_is_one_line_before_the_run(tmp_path, flag):
+    _policy(tmp_path / "up", 1)
+    args = ("--difficulty", "4:2", "--samples", "1", flag, tmp_path)
+    r = sparrow("bench", "heldout", str(tmp_path / "up"), *args, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"{flag} {tmp_path}: is a folder" in lines[0], r.stderr
+
+
 def test_a_folder_that_is_not_a_run_is_one_line(tmp_path):
     r = sparrow("bench", "heldout", str(tmp_path), timeout=120)
     assert r.returncode == 2 and "not a `sparrow up` run folder" in r.stderr
