@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sparrow_cli.errors import CliError
+from sparrow_cli.errors import CliError, require_output_file
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -78,6 +78,8 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError(f"--temperature must be > 0, got {args.temperature}")
     if not args.plot.lower().endswith(".png"):
         raise CliError(f"--plot must name a .png file, got {args.plot}")
+    require_output_file("--out", args.out)
+    require_output_file("--plot", args.plot)
 
 
 def run(args: argparse.Namespace) -> int:

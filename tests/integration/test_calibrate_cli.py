@@ -102,3 +102,14 @@ def test_bad_model_folders_and_prompt_files(model_dir, tmp_path, capsys):
     empty.write_text("")
     assert main([*base, "--model", str(model_dir), "--prompts", str(empty)]) == 2
     assert "no prompts in the file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--plot"])
+def test_an_output_that_is_a_folder_is_refused_before_calibrating(model_dir, tmp_path, capsys, flag):
+    folder = tmp_path / "folder.png"
+    folder.mkdir()
+    args = ["calibrate", "--model", str(model_dir), *TINY_RUN, *TINY_TASK, *_outputs(tmp_path), flag, str(folder)]
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert f"{flag} {folder}: is a folder" in captured.err and captured.err.count("\n") == 1
+    assert captured.out == "" and not any(p.suffix in (".json", ".png") and p.is_file() for p in tmp_path.iterdir())
