@@ -187,14 +187,16 @@ def _delta(now: float, before: float) -> float:
 
 
 def read_history(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics history (a torn last line is skipped)."""
+    """The rows of a run's metrics history (a torn last line, or any line that is not a step record, is skipped)."""
     rows = []
     path = run_dir / HISTORY_FILE
     if not path.exists():
         return rows
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            rows.append(json.loads(line))
-        except ValueError:
+            row = json.loads(line)
+        except ValueError:  # not JSON, or not UTF-8
             continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
     return rows

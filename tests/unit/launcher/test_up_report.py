@@ -108,3 +108,12 @@ def test_sparrow_report_rebuilds_a_run_or_a_comparison_and_refuses_a_missing_fol
     assert r.returncode == 0 and r.stdout.strip() == str(tmp_path / "cmp" / "report.md")
     r = sparrow("report", tmp_path / "missing")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no such folder" in r.stderr
+
+
+def test_sparrow_report_skips_history_lines_that_are_not_step_records(tmp_path):
+    run = _run(tmp_path / "run", [_row(1, 10.0, 0.5)])
+    with (run / "metrics.jsonl").open("ab") as f:
+        f.write(b'5\n["step"]\n{"note": "no step"}\n{"step": "two"}\n\xff\xfe{"step": 3}\n')
+    r = sparrow("report", run, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["steps_done"] == 1
