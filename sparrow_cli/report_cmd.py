@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
         path, head = build_any_report(Path(args.run_dir))
     except ReportError as exc:
         raise CliError(str(exc)) from None
+    except OSError as exc:  # a file of the run folder that cannot be read, or the report that cannot be written
+        raise CliError(f"{exc.filename}: {exc.strerror or exc}") from None
     if args.json:
         emit_json({"report": str(path), **head})
     else:

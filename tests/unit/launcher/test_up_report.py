@@ -117,3 +117,18 @@ def test_sparrow_report_skips_history_lines_that_are_not_step_records(tmp_path):
     r = sparrow("report", run, "--json")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["steps_done"] == 1
+
+
+@pytest.mark.parametrize("blocker", ["report", "metrics.jsonl"])
+def test_sparrow_report_on_a_folder_it_cannot_read_or_write_is_one_line(tmp_path, blocker):
+    run = _run(tmp_path / "run", [_row(1, 10.0, 0.5)])
+    if blocker == "report":
+        (run / "report").write_text("not a folder\n")
+    else:
+        (run / "metrics.jsonl").unlink()
+        (run / "metrics.jsonl").mkdir()
+    r = sparrow("report", run)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and str(run / blocker) in r.stderr
+    if blocker == "report":
+        assert (run / "report").read_text() == "not a folder\n"
