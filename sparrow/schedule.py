@@ -165,6 +165,8 @@ class Schedule:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ScheduleError(f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        except RecursionError:
+            raise ScheduleError("malformed JSON: nested too deeply") from None
         return cls.from_dict(data)
 
     @classmethod

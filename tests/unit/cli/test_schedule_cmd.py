@@ -62,3 +62,11 @@ def test_validate_bad_files(tmp_path, content, fragment):
 def test_missing_file_and_unknown_preset():
     assert_one_line_error(sparrow("schedule", "validate", "/nonexistent.json"), "cannot read schedule file")
     assert_one_line_error(sparrow("schedule", "show", "qwen3-4b-0.87"), "unknown schedule preset 'qwen3-4b-0.87'")
+
+
+def test_validate_a_file_nested_too_deeply(tmp_path):
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    r = sparrow("schedule", "validate", path)
+    assert_one_line_error(r, "malformed JSON")
+    assert "deep.json" in r.stderr
