@@ -165,6 +165,8 @@ def resolve_model(spec: str) -> ModelSpec:
             raise ModelSpecError(f"cannot read model config {path}: not UTF-8 text (byte {exc.start})") from None
         except json.JSONDecodeError as exc:
             raise ModelSpecError(f"{path}: malformed JSON: {exc.msg} at line {exc.lineno}") from None
+        except RecursionError:
+            raise ModelSpecError(f"{path}: malformed JSON: nested too deeply") from None
         if not isinstance(data, dict):
             raise ModelSpecError(f"{path}: a model config must be a JSON object")
         return from_hf_config(data, name=path.parent.name or path.stem)

@@ -88,3 +88,11 @@ def test_cost_with_a_mistyped_model_config(tmp_path, field, value, fragment):
     r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and fragment in r.stderr
+
+
+def test_cost_with_a_model_config_nested_too_deeply(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "malformed JSON" in r.stderr
