@@ -29,8 +29,18 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser with its usage errors on one line, as every other error of the command.
+
+    Subcommand parsers are made of the parent's class, so the whole tree answers this way.
+    """
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sparrow",
         description="Sparrow Cluster: block-sparse rollouts for long-context RL, kept stable by tail acceptance.",
     )

@@ -32,6 +32,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda (default cpu)")
     b.add_argument("--eval-samples", type=int, default=None, help="held-out prompts per difficulty after training")
+    b.add_argument("--json", action="store_true", help="print build.json's content as JSON (progress goes to stderr)")
     b.set_defaults(handler=run)
 
     e = sub.add_parser("eval", help="held-out accuracy per difficulty, greedy and sampled (temperature 1.0)")
@@ -82,7 +83,14 @@ def _build(args: argparse.Namespace) -> int:
             raise CliError(f"--eval-samples must be >= 1, got {args.eval_samples}")
         cfg.eval_samples = args.eval_samples
     require_output_folder("--out", args.out)
-    info = build(cfg, Path(args.out), command=["sparrow", *sys.argv[1:]] if sys.argv[1:2] == ["model"] else None)
+    command = ["sparrow", *sys.argv[1:]] if sys.argv[1:2] == ["model"] else None
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    info = build(cfg, Path(args.out), command=command, log=log)
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json({"model": args.out, **info})
+        return 0
     print(f"saved {args.out} ({info['parameters']} parameters, {info['steps_done']} steps, {info['train_seconds']}s)")
     return 0
 
