@@ -39,7 +39,8 @@ def _require_descriptions(cls: type[BaseModel]) -> None:
 class ConfigSection(BaseModel):
     """A nested group of config fields (a table in the TOML file)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+    # No config number is meant to be NaN or infinite ("interval_s = inf" would stall a loop for ever).
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True, allow_inf_nan=False)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
@@ -56,6 +57,7 @@ class SparrowConfig(BaseSettings):
         extra="forbid",
         use_attribute_docstrings=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
 
     @classmethod

@@ -86,6 +86,22 @@ def test_a_section_from_the_environment_that_is_not_json_is_one_line(monkeypatch
     assert "\n" not in str(info.value)
 
 
+class Paced(Demo):
+    interval_s: float = Field(30.0, gt=0, description="Seconds between ticks.")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan"])
+def test_a_number_that_is_not_finite_is_refused_anywhere(tmp_path, monkeypatch, value):
+    # `gt=0` alone lets inf through: a loop paced by it would never tick again.
+    with pytest.raises(ConfigError, match="'interval_s'.*finite"):
+        load_config(Paced, _toml(tmp_path, f"interval_s = {value}\n"))
+    with pytest.raises(ConfigError, match="'optim.lr'.*finite"):
+        load_config(Paced, overrides={"optim.lr": float(value)})
+    monkeypatch.setenv("SPARROW_INTERVAL_S", value)
+    with pytest.raises(ConfigError, match="'interval_s'.*finite"):
+        load_config(Paced)
+
+
 def test_dump_is_json_with_secrets_masked():
     dumped = json.loads(load_config(Demo, overrides={"name": "x"}).dump())
     assert dumped == {"name": "x", "optim": {"lr": 1e-6, "steps": 10}, "token": "**********"}
