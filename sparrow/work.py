@@ -76,7 +76,9 @@ class PromptGroup:
         """Parse and validate; raises `WorkItemError` naming the first bad field."""
         try:
             d = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:
+            # ValueError covers bad syntax, bad UTF-8 and integers past Python's digit limit; RecursionError
+            # nesting too deep for the parser.
             raise WorkItemError(f"prompt group is not JSON: {e}") from None
         if not isinstance(d, dict):
             raise WorkItemError("prompt group must be a JSON object")

@@ -168,3 +168,17 @@ def test_a_deleted_stream_is_recreated_rather_than_crashing(client, config):
     assert q.claim(1) == []
     client.xadd(config.stream, _group("after").to_fields())
     assert [c.group.group_id for c in q.claim(1)] == ["after"]
+
+
+def test_entries_json_cannot_decode_at_all_are_dead_lettered_not_raised(client, config):
+    # Nesting past the parser's recursion limit, and an integer past Python's digit limit: json.loads
+    # raises RecursionError and a plain ValueError for these, not JSONDecodeError.
+    q = _queue(client, config)
+    q.ensure_group()
+    client.xadd(config.stream, {"group": '{"group_id":' + "[" * 100_000 + "]" * 100_000 + "}"})
+    client.xadd(config.stream, {"group": '{"group_id":"g","n":' + "1" * 5000 + "}"})
+    client.xadd(config.stream, _group("good").to_fields())
+    assert [c.group.group_id for c in q.claim(10)] == ["good"]
+    reasons = [d["reason"] for d in _dead(client, config)]
+    assert len(reasons) == 2 and all(r.startswith("malformed prompt group: prompt group is not JSON") for r in reasons)
+    assert _pending(client, config) == 1 and _count(q, DEAD_LETTERED) == 2
