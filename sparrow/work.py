@@ -125,7 +125,7 @@ class PromptGroup:
         if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
             raise WorkItemError(f"group {gid}: attempt must be a non-negative integer")
         created = d.get("created_at", 0.0)
-        if not isinstance(created, int | float) or not math.isfinite(created):
+        if not isinstance(created, int | float) or not _finite(created):
             raise WorkItemError(f"group {gid}: created_at must be a finite number")
         text = d.get("prompt_text", "")
         if not isinstance(text, str):
@@ -140,6 +140,14 @@ class PromptGroup:
             attempt=attempt,
             prompt_text=text,
         )
+
+
+def _finite(x: int | float) -> bool:
+    """Whether `x` is a finite float or an int a float can hold (math.isfinite raises on larger ints)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _sampling(gid: str, d: Any) -> Sampling:

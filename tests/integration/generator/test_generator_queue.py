@@ -182,3 +182,15 @@ def test_entries_json_cannot_decode_at_all_are_dead_lettered_not_raised(client, 
     reasons = [d["reason"] for d in _dead(client, config)]
     assert len(reasons) == 2 and all(r.startswith("malformed prompt group: prompt group is not JSON") for r in reasons)
     assert _pending(client, config) == 1 and _count(q, DEAD_LETTERED) == 2
+
+
+def test_an_entry_whose_created_at_overflows_a_float_is_dead_lettered_not_raised(client, config):
+    q = _queue(client, config)
+    q.ensure_group()
+    huge = {"group_id": "huge", "prompt_token_ids": [1], "n": 1, "policy_version": 0, "created_at": 10**400}
+    client.xadd(config.stream, {"group": json.dumps(huge)})
+    client.xadd(config.stream, _group("good").to_fields())
+    assert [c.group.group_id for c in q.claim(10)] == ["good"]
+    (dead,) = _dead(client, config)
+    assert dead["reason"] == "malformed prompt group: group huge: created_at must be a finite number"
+    assert _pending(client, config) == 1
