@@ -56,6 +56,11 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def _readable(value: bytes | str) -> str:
+    """Text of a field of any entry: bytes that are not UTF-8 are kept as backslash escapes."""
+    return value.decode(errors="backslashreplace") if isinstance(value, bytes) else value
+
+
 def entry_time(entry_id: str) -> float:
     """Unix seconds at which Redis created entry `entry_id` (its id is `<ms>-<seq>`)."""
     return int(entry_id.split("-", 1)[0]) / 1000.0
@@ -196,7 +201,7 @@ class WorkQueue:
         """Move an entry to the dead-letter stream with the reason, and ack it (never generated again)."""
         raw = fields.get(GROUP_FIELD, fields.get(GROUP_FIELD.encode()))
         if raw is None:  # keep whatever the entry held, for whoever reads the dead letters
-            raw = json.dumps({_text(k): _text(v) for k, v in fields.items()})
+            raw = json.dumps({_readable(k): _readable(v) for k, v in fields.items()})
         letter = {
             GROUP_FIELD: raw,
             "reason": reason,

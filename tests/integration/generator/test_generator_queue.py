@@ -194,3 +194,15 @@ def test_an_entry_whose_created_at_overflows_a_float_is_dead_lettered_not_raised
     (dead,) = _dead(client, config)
     assert dead["reason"] == "malformed prompt group: group huge: created_at must be a finite number"
     assert _pending(client, config) == 1
+
+
+def test_an_entry_without_a_group_and_with_bytes_that_are_not_utf8_is_dead_lettered_whole(client, config):
+    q = _queue(client, config)
+    q.ensure_group()
+    client.xadd(config.stream, {b"other\xff": b"\xfe\x00x"})
+    client.xadd(config.stream, _group("good").to_fields())
+    assert [c.group.group_id for c in q.claim(10)] == ["good"]
+    (dead,) = _dead(client, config)
+    assert dead["reason"] == "malformed prompt group: stream entry has no 'group' field"
+    assert json.loads(dead["group"]) == {"other\\xff": "\\xfe\x00x"}
+    assert _pending(client, config) == 1
