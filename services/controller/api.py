@@ -156,7 +156,7 @@ def create_app(loop: ControlLoop, on_shutdown: Any = None) -> FastAPI:
         # The body is parsed here, after the token check, so an unauthenticated caller learns nothing of it.
         try:
             body = OverrideIn.model_validate(json.loads(await request.body()))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
             return _unprocessable(_one_line(exc))
         try:
             new = await loop.override(body.schedule, body.reason, body.pause)
@@ -181,7 +181,7 @@ def _unprocessable(message: str) -> JSONResponse:
     return JSONResponse({"detail": message}, status_code=422)
 
 
-def _one_line(exc: ValueError) -> str:
+def _one_line(exc: ValueError | RecursionError) -> str:
     """A short message for a body that is not JSON or not an override."""
     errors = getattr(exc, "errors", None)
     if callable(errors):  # pydantic: name the first offending field

@@ -102,6 +102,7 @@ def test_posts_without_the_right_token_are_401(stack, headers):
     [
         (b"{not json", "malformed JSON"),
         (b"[1, 2]", "malformed override"),
+        (b'{"schedule": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "malformed override"),
         ({"budgets": [512, 1024]}, "schedule: Field required"),
         ({"schedule": 5}, "schedule"),
         ({"schedule": {"budgets": [500] * 20}}, "not a multiple of the page size 16"),
