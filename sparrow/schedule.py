@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 PAGE_SIZE = 16
 DEFAULT_BIN_WIDTH = 2000
+# The wire API (proto/sparrow/v1/common.proto) carries the version as int64 and every other number as
+# int32; a schedule it cannot carry would be published, then fail every generator that reports it.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
 
 
 class ScheduleError(ValueError):
@@ -45,6 +49,7 @@ class Schedule:
     def _validate(self) -> None:
         for name in ("bin_width", "page_size", "sink_blocks", "local_blocks", "version"):
             _require_int(getattr(self, name), name)
+            _require_at_most(getattr(self, name), INT64_MAX if name == "version" else INT32_MAX, name)
         if self.bin_width <= 0:
             raise ScheduleError(f"bin_width must be positive, got {self.bin_width}")
         if self.page_size <= 0:
@@ -63,6 +68,7 @@ class Schedule:
         floor = (self.sink_blocks + self.local_blocks) * self.page_size
         for i, b in enumerate(self.budgets):
             _require_int(b, f"budget of bin {i}")
+            _require_at_most(b, INT32_MAX, f"budget of bin {i}")
             if b <= 0:
                 raise ScheduleError(f"budget of bin {i} must be positive, got {b}")
             if b % self.page_size:
@@ -79,6 +85,7 @@ class Schedule:
                 )
         for layer in self.dense_layers:
             _require_int(layer, "dense layer index")
+            _require_at_most(layer, INT32_MAX, "dense layer indices")
             if layer < 0:
                 raise ScheduleError(f"dense layer indices must be >= 0, got {layer}")
         if len(set(self.dense_layers)) != len(self.dense_layers):
@@ -221,6 +228,11 @@ def _is_int(value: Any) -> bool:
 def _require_int(value: Any, what: str) -> None:
     if not _is_int(value):
         raise ScheduleError(f"{what} must be an integer, got {_json_type(value)} {value!r}")
+
+
+def _require_at_most(value: int, limit: int, what: str) -> None:
+    if value > limit:
+        raise ScheduleError(f"{what} must be at most {limit}, got {value}")
 
 
 def _check_json_type(key: str, value: Any) -> None:

@@ -109,6 +109,9 @@ def test_posts_without_the_right_token_are_401(stack, headers):
         ({"schedule": {"budgets": [1024, 512]}}, "non-decreasing"),
         ({"schedule": {"budgets": [512, 65536]}}, "outside the controller's bounds"),
         ({"schedule": {"budgets": [512], "colour": "red"}}, "unknown field"),
+        # Wider than the wire's int32: generators could neither report nor apply it.
+        ({"schedule": {"budgets": [512], "bin_width": 10**30}}, "bin_width must be at most 2147483647"),
+        ({"schedule": {"budgets": [512], "dense_layers": [2**31]}}, "dense layer indices must be at most 2147483647"),
         ({"schedule": {"budgets": ["512"]}}, "list of integers"),
         ({"schedule": {"budgets": [512]}, "pause": "maybe"}, "pause"),
     ],

@@ -30,6 +30,9 @@ def test_defaults_match_the_paper():
         ({"budgets": (512,), "local_blocks": 0}, "local_blocks must be >= 1"),
         ({"budgets": (512.0,)}, "must be an integer"),
         ({"budgets": (512,), "version": -1}, "version must be >= 0"),
+        ({"budgets": (512,), "bin_width": 2**31}, "bin_width must be at most 2147483647"),
+        ({"budgets": (2**31,)}, "budget of bin 0 must be at most 2147483647"),
+        ({"budgets": (512,), "version": 2**63}, "version must be at most 9223372036854775807"),
     ],
 )
 def test_invalid_schedules_raise_one_line(kwargs, fragment):
