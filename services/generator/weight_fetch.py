@@ -267,7 +267,8 @@ class VersionSync:
     ) -> None:
         self.fetcher, self.load, self.serving, self.metrics = fetcher, load, serving, metrics
         self.in_use = in_use
-        self._want = {POLICY: 0, ADAPTER: 0}
+        # Every version offered and not yet passed: one that turns out unpublished must not hide the others.
+        self._offered: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
         self._refused: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
         self._folders: dict[str, Path] = {}
         self._retired: list[Path] = []  # adapter folders replaced while sequences may still read them
@@ -293,8 +294,9 @@ class VersionSync:
     def offer(self, policy_version: int, adapter_version: int) -> None:
         """The trainer announced these versions (0: none); newer ones than served get fetched in the background."""
         with self._cond:
-            self._want[POLICY] = max(self._want[POLICY], policy_version)
-            self._want[ADAPTER] = max(self._want[ADAPTER], adapter_version)
+            for kind, version in ((POLICY, policy_version), (ADAPTER, adapter_version)):
+                if version > 0:
+                    self._offered[kind].add(version)
             self._cond.notify_all()
 
     def load_now(self, policy_version: int, adapter_version: int) -> EngineVersions:
@@ -307,7 +309,12 @@ class VersionSync:
     def _behind(self) -> list[tuple[str, int]]:
         serving = self.serving()
         have = {POLICY: serving.policy_version, ADAPTER: serving.adapter_version}
-        return [(k, v) for k, v in self._want.items() if v > have[k] and v not in self._refused[k]]
+        todo = []
+        for kind, offered in self._offered.items():
+            offered -= {v for v in offered if v <= have[kind] or v in self._refused[kind]}
+            if offered:
+                todo.append((kind, max(offered)))
+        return todo
 
     def _run(self) -> None:
         while True:
@@ -324,8 +331,13 @@ class VersionSync:
             for kind, version in todo:
                 try:
                     self._swap(kind, version)
-                except WeightsUnavailable as exc:  # the trainer may be restarting: try again later
-                    log.warning("%s", exc)
+                except WeightsUnavailable as exc:
+                    if exc.code == grpc.StatusCode.NOT_FOUND:  # not published, or retired: the next offer may be
+                        log.error("%s", exc)
+                        with self._cond:
+                            self._refused[kind].add(version)
+                        continue
+                    log.warning("%s", exc)  # the trainer may be restarting: try again later
                     with self._cond:
                         self._cond.wait(self._retry_backoff.next())
                 except (WeightFetchError, EngineError) as exc:

@@ -202,3 +202,18 @@ def test_a_step_longer_than_the_idle_timeout_keeps_its_entry_through_heartbeats(
     assert max(t.timings.generate_seconds for t in trainer.of_group("slow")) > 0.3
     assert stolen == [] and h.metric("sparrow_generator_groups_total", outcome="done") == 1
     assert [t.generator_id for t in trainer.of_group("slow")] == [h.config.generator_id] * 4
+
+
+def test_a_group_naming_an_unpublished_policy_does_not_stop_the_generator_following_the_trainer(start, trainer):
+    from tests.integration.generator.harness import SMALL
+
+    h = start()
+    odd = group("odd", n=1)
+    h.enqueue(PromptGroup(odd.group_id, odd.prompt_token_ids, 1, 1_000_000, odd.sampling))
+    h.wait_settled({"odd": 1})
+    trainer.wait_for(lambda: ("policy", 1_000_000) in trainer.fetches, 30, "v1000000 asked for")
+    trainer.publish("policy", 2, SMALL)
+    trainer.wait_for(lambda: h.service.serving.policy_version == 2, 60, "policy v2 loaded")
+    h.enqueue(group("after", n=1))
+    h.wait_settled({"after": 1})
+    assert trainer.of_group("after")[0].versions.policy_version == 2
