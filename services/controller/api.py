@@ -16,6 +16,10 @@ from services.controller.loop import ControlLoop
 from services.controller.publisher import StoreError
 from sparrow.schedule import ScheduleError
 
+# A 20-bin schedule is well under a kilobyte; a body past this is refused (413) before it is parsed, so a
+# careless or hostile caller cannot hold the event loop, which also runs the control loop, on a huge parse.
+MAX_OVERRIDE_BYTES = 1 << 20
+
 
 class BinOut(BaseModel):
     """One length bin as the last tick saw it."""
@@ -155,7 +159,7 @@ def create_app(loop: ControlLoop, on_shutdown: Any = None) -> FastAPI:
     async def override(request: Request) -> dict[str, Any]:
         # The body is parsed here, after the token check, so an unauthenticated caller learns nothing of it.
         try:
-            body = OverrideIn.model_validate(json.loads(await request.body()))
+            body = OverrideIn.model_validate(json.loads(await _read_body(request, MAX_OVERRIDE_BYTES)))
         except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested past the parser's depth
             return _unprocessable(_one_line(exc))
         try:
@@ -175,6 +179,20 @@ def create_app(loop: ControlLoop, on_shutdown: Any = None) -> FastAPI:
         return {"ok": True}
 
     return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or 413 as soon as it is known to be longer than `limit` bytes (declared or streamed)."""
+    too_large = HTTPException(413, f"request body over {limit} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
 
 
 def _unprocessable(message: str) -> JSONResponse:

@@ -15,6 +15,7 @@ import pytest
 import redis
 import uvicorn
 
+from services.controller import api
 from services.controller.api import create_app
 from services.controller.config import ControllerConfig
 from services.controller.main import build_loop
@@ -130,6 +131,22 @@ def test_malformed_or_invalid_overrides_are_422_and_never_reach_redis(stack, bod
     assert _stored(r) == before
     assert pubsub.get_message(timeout=0.3) is None
     pubsub.close()
+
+
+def test_an_override_body_over_the_limit_is_413_declared_or_streamed(stack):
+    url, r = stack
+    before = _stored(r)
+    huge = b'{"schedule": {"budgets": [' + b"512, " * (api.MAX_OVERRIDE_BYTES // 5) + b"512]}}"
+    headers = {**AUTH, "Content-Type": "application/json"}
+    resp = httpx.post(f"{url}/override", headers=headers, content=huge)
+    assert resp.status_code == 413, resp.text
+    # Without a Content-Length (chunked), the body is cut off as it streams in.
+    chunks = (huge[i : i + 65536] for i in range(0, len(huge), 65536))
+    resp = httpx.post(f"{url}/override", headers=headers, content=chunks)
+    assert resp.status_code == 413, resp.text
+    assert "over 1048576 bytes" in resp.json()["detail"]
+    assert _stored(r) == before
+    assert httpx.get(f"{url}/healthz").json() == {"ok": True}
 
 
 def test_a_valid_override_is_published_pauses_and_resume_unpauses(stack):
