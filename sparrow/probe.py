@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sparrow.schedule import Schedule, per_bin
+from sparrow.schedule import INT32_MAX, INT64_MAX, Schedule, per_bin
 
 if TYPE_CHECKING:
     import torch
@@ -42,15 +42,17 @@ class Probe:
     expires_at: float
 
     def __post_init__(self) -> None:
-        if not _is_int(self.schedule_version) or self.schedule_version < 0:
-            raise ProbeError(f"schedule_version must be an integer >= 0, got {self.schedule_version!r}")
+        # The bounds are the wire's (int64 versions, int32 budgets), as for schedules: a generator must be
+        # able to report and apply what it is asked to run.
+        if not _is_int(self.schedule_version) or not 0 <= self.schedule_version <= INT64_MAX:
+            raise ProbeError(f"schedule_version must be an integer in [0, {INT64_MAX}], got {self.schedule_version!r}")
         if not isinstance(self.share, (int, float)) or isinstance(self.share, bool) or not 0 < self.share <= 1:
             raise ProbeError(f"share must be a number in (0, 1], got {self.share!r}")
         if not self.budgets:
             raise ProbeError("a probe needs a budget (or null) for every bin")
         for i, b in enumerate(self.budgets):
-            if b is not None and (not _is_int(b) or b <= 0):
-                raise ProbeError(f"probe budget of bin {i} must be a positive integer or null, got {b!r}")
+            if b is not None and (not _is_int(b) or not 0 < b <= INT32_MAX):
+                raise ProbeError(f"probe budget of bin {i} must be an integer in [1, {INT32_MAX}] or null, got {b!r}")
         if not isinstance(self.expires_at, (int, float)) or isinstance(self.expires_at, bool):
             raise ProbeError(f"expires_at must be a number (Unix seconds), got {self.expires_at!r}")
         if not math.isfinite(self.expires_at):
@@ -120,6 +122,8 @@ class Probe:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ProbeError(f"malformed JSON: {exc}") from None
+        except RecursionError:
+            raise ProbeError("malformed JSON: nested too deeply") from None
         return cls.from_dict(data)
 
 

@@ -52,6 +52,13 @@ def test_it_applies_only_to_its_schedule_version_and_only_when_it_changes_someth
         ('{"schedule_version": 1, "share": 0.1, "budgets": [true], "expires_at": 1}', "bin 0"),
         ('{"schedule_version": 1, "share": 0.1, "budgets": "48", "expires_at": 1}', "budgets must be a list"),
         ('{"schedule_version": 1, "share": 0.1, "budgets": [48], "expires_at": "soon"}', "expires_at"),
+        # Past the wire's int32 budgets and int64 versions, or nested past the parser's depth.
+        ('{"schedule_version": 1, "share": 0.1, "budgets": [2147483648], "expires_at": 1}', "bin 0"),
+        ('{"schedule_version": 9223372036854775808, "share": 0.1, "budgets": [48], "expires_at": 1}', "version"),
+        (
+            '{"schedule_version": 1, "share": 0.1, "budgets": ' + "[" * 100_000 + "]" * 100_000 + ', "expires_at": 1}',
+            "nested too deeply",
+        ),  # fmt: skip
     ],
 )
 def test_malformed_requests_are_refused_with_one_line(text, message):
