@@ -110,6 +110,7 @@ class _Download:
         self.hashes: dict[str, Any] = {}  # hashlib objects
         self.current: str | None = None
         self.handle = None
+        self.folders: set[str] = set()  # every folder the manifest's paths pass through
 
     def run(self, call) -> weights_pb2.WeightManifest:
         manifest = None
@@ -147,10 +148,17 @@ class _Download:
             self.fail("the manifest lists no files")
         for f in manifest.files:
             parts = PurePosixPath(f.path).parts
-            if not f.path or f.path.startswith("/") or "\\" in f.path or ".." in parts or "." in parts:
+            # A path must be in normal form (no `a//b`, `a/`, `./a`), so no two names reach the same file.
+            unsafe = "\\" in f.path or "\0" in f.path or ".." in parts or str(PurePosixPath(f.path)) != f.path
+            if not f.path or f.path.startswith("/") or unsafe:
                 self.fail(f"unsafe file path {f.path!r} in the manifest")
             if f.path in self.files:
                 self.fail(f"{f.path} is listed twice in the manifest")
+            # `a` and `a/b` cannot both be written: one path would have to be a file and a folder.
+            folders = {str(p) for p in PurePosixPath(f.path).parents if str(p) != "."}
+            if f.path in self.folders or not folders.isdisjoint(self.files):
+                self.fail(f"{f.path} is both a file and a folder in the manifest")
+            self.folders |= folders
             if f.size_bytes < 0:
                 self.fail(f"{f.path} has a negative size")
             if not _SHA256.match(f.sha256):

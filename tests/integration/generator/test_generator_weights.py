@@ -74,6 +74,11 @@ def _chunk(data=GOOD, path="a.bin", offset=0) -> weights_pb2.WeightChunk:
 BAD_STREAMS = {
     "escaping path": ([_manifest(_file(path="../evil")), _chunk(path="../evil")], "unsafe file path"),
     "absolute path": ([_manifest(_file(path="/etc/x"))], "unsafe file path"),
+    "NUL in a path": ([_manifest(_file(path="a\0.bin"))], "unsafe file path"),
+    "not in normal form": ([_manifest(_file(path="sub//a.bin"))], "unsafe file path"),
+    "a folder's name": ([_manifest(_file(path="sub/"))], "unsafe file path"),
+    "file then folder": ([_manifest(_file(path="a"), _file(path="a/b"))], "both a file and a folder"),
+    "folder then file": ([_manifest(_file(path="a/b/c"), _file(path="a/b"))], "both a file and a folder"),
     "chunk first": ([_chunk(), _manifest(_file())], "before the manifest"),
     "unlisted file": ([_manifest(_file()), _chunk(path="b.bin")], "does not list"),
     "gap": ([_manifest(_file()), _chunk(GOOD[:4]), _chunk(GOOD[5:], offset=5)], "expected 4"),
