@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.launcher.config import UpConfig
 from services.launcher.history import read_history
-from services.launcher.plan import SetupError, default_run_dir, make_plan
+from services.launcher.plan import default_run_dir, make_plan, require_fresh_run_dir
 from services.launcher.report import ReportError, build_report, headline
 
 COMPARE_FILE = "compare.json"
@@ -29,8 +29,7 @@ def run_compare(up: UpConfig, progress_factory) -> tuple[int, dict]:
     from services.launcher.run import run_up
 
     root = Path(up.run_dir or default_run_dir()).resolve()
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise SetupError(f"run folder {root} exists and is not empty; choose another --run-dir")
+    require_fresh_run_dir(root)
     ups = {m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m)}) for m in MODES}
     for mode in MODES:  # both checked before either starts
         make_plan(ups[mode])

@@ -97,14 +97,21 @@ def load_schedule(up: UpConfig) -> tuple[Schedule, Path | None]:
     return schedule, (path.resolve() if path.is_file() else None)
 
 
+def require_fresh_run_dir(run_dir: Path) -> None:
+    """SetupError unless `run_dir` is absent or an empty folder: a run never writes over another's files."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise SetupError(f"run folder {run_dir} is a file; choose another --run-dir")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise SetupError(f"run folder {run_dir} exists and is not empty; choose another --run-dir")
+
+
 def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written."""
     run_dir = (run_dir or Path(up.run_dir or default_run_dir())).resolve()
     for binary, needed in (("redis-server", not up.redis_url), ("prometheus", not up.prometheus_url)):
         if needed and shutil.which(binary) is None:
             raise SetupError(f"{binary} is not installed (scripts/setup.sh installs it), or give its URL in the config")
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-        raise SetupError(f"run folder {run_dir} exists and is not empty; choose another --run-dir")
+    require_fresh_run_dir(run_dir)
     model_dir, build = model_folder(up)
     schedule, schedule_file = load_schedule(up)
     if up.cost_hardware.lower() != "cpu":  # "cpu" is measured when first needed; the presets are known now

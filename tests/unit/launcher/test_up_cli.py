@@ -69,6 +69,14 @@ def test_a_run_folder_in_use_and_contradicting_flags(tmp_path):
     _one_line_error(result, "exists and is not empty")
     result, _ = _up(tmp_path, "--compare", "--dense")
     _one_line_error(result, "--compare runs dense and sparse itself")
+    (tmp_path / "run" / "old.txt").rename(tmp_path / "old.txt")
+    (tmp_path / "run").rmdir()
+    (tmp_path / "run").write_text("a file where the run folder would be")
+    for compare in ((), ("--compare",)):
+        result, _ = _up(tmp_path, *compare)
+        _one_line_error(result, "run folder")
+        assert "is a file" in result.stderr
+    assert (tmp_path / "run").read_text() == "a file where the run folder would be"
 
 
 def test_print_config_shows_the_resolved_config_without_the_token(tmp_path, monkeypatch):
