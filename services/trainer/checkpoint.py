@@ -6,7 +6,8 @@
 Model and optimizer go through `get_state_dict` / `set_state_dict` and DCP, so the same code saves
 a plain module and one sharded with FSDP2 (each rank writes its shards; rank 0 the metadata). A
 checkpoint is written under a temporary name, fsync'd and renamed: it exists whole or not at all.
-The newest `keep` are kept; a start resumes from the newest that loads.
+The newest `keep` are kept; a start resumes from the newest that loads and sets aside (renamed
+`damaged-step-...`) the newer ones that do not.
 
 `history` lists the groups each step trained on and `dropped` those too stale to train: with the
 model, they are what makes a resume neither lose nor re-train an accepted trajectory.
@@ -165,7 +166,7 @@ class CheckpointManager:
         """
         from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
-        failures = []
+        failures, damaged = [], []
         for path in reversed(self.checkpoints()):
             try:
                 state = self.read_state(path)
@@ -174,12 +175,26 @@ class CheckpointManager:
                 first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 log.error("checkpoint %s does not load (%s); trying the one before", path.name, first_line)
                 failures.append(f"{path.name}: {first_line}")
+                damaged.append(path)
                 continue
             log.info("resumed from %s (step %d, policy v%d)", path.name, state.step, state.policy_version)
+            self._set_aside(damaged)
             return state
         if failures:
             raise CheckpointError(f"no checkpoint under {self.root} loads into this model ({failures[-1]})")
         return None
+
+    def _set_aside(self, damaged: list[Path]) -> None:
+        # The run continues from an older checkpoint: a damaged newer one left under its name would be taken
+        # for the resumed run's own checkpoint of that step (never written) and for what compaction may drop.
+        if _rank0():
+            for path in damaged:
+                aside = path.with_name(f"damaged-{path.name}-{uuid.uuid4().hex[:8]}")
+                os.replace(path, aside)
+                log.warning("set %s aside as %s", path.name, aside.name)
+            if damaged:
+                fsync_dir(self.root)
+        _barrier()
 
     def oldest_state(self) -> TrainState | None:
         """The meta of the oldest kept checkpoint: what any possible resume has recorded as finished."""

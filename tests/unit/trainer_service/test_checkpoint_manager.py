@@ -104,3 +104,24 @@ def test_no_checkpoint_means_a_fresh_start(tmp_path):
     assert CheckpointManager(tmp_path, keep=1).load_latest(*_fresh()) is None
     with pytest.raises(ValueError, match="keep"):
         CheckpointManager(tmp_path, keep=0)
+
+
+def test_a_damaged_checkpoint_skipped_at_resume_is_set_aside_so_its_step_saves_again(tmp_path):
+    model, opt = _fresh()
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        _trained_step(model, opt, step)
+        manager.save(model, opt, _state(step))
+    damaged = manager.checkpoints()[-1]
+    (damaged / "meta.json").write_text("{torn")
+    model2, opt2 = _fresh()
+    assert manager.load_latest(model2, opt2).step == 2
+    assert [p.name for p in manager.checkpoints()] == ["step-000000002"]
+    kept_aside = [p for p in tmp_path.iterdir() if p.name.startswith("damaged-step-000000003")]
+    assert len(kept_aside) == 1 and (kept_aside[0] / "meta.json").read_text() == "{torn"  # kept to look at
+    # The resumed run trains step 3 again: its checkpoint is written, not taken as saved already.
+    retrained = _state(3)
+    retrained.history[-1] = ["g2-other"]
+    manager.save(model2, opt2, retrained)
+    assert manager.read_state(manager.checkpoints()[-1]) == retrained
+    assert manager.oldest_state().step == 2
