@@ -4,7 +4,8 @@ Each group is a chain-task prompt (sparrow/tasks/chain.py) tokenized with the mo
 `n` samples at the configured sampling, tagged with the policy version current when it was made.
 It is written to the ledger (answer included; answers never travel) before XADD, so a crash in
 between re-enqueues it. The feeder also re-enqueues a group that has waited too long (a lost stream
-entry must not stall training) and reads the dead-letter stream, marking its own dead groups.
+entry must not stall training), every waiting group at once when the stream itself is gone (Redis
+flushed or restarted empty), and reads the dead-letter stream, marking its own dead groups.
 
 Redis errors are logged and retried on the next tick; they never stop the trainer.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import redis
 
-from services.trainer.ledger import GroupLedger, GroupRecord
+from services.trainer.ledger import OUTSTANDING, GroupLedger, GroupRecord
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore
 from sparrow.tasks import ChainTask, ExampleStream
@@ -67,6 +68,8 @@ class Feeder:
         self.position = 0  # examples drawn from the stream so far
         self._queued_at: dict[str, float] = {}
         self._dead_cursor = "0-0"
+        self._last_added: bytes | str | None = None  # the entry this process added last to the prompt stream
+        self._lost: set[str] = set()  # groups whose entries went with the stream, to enqueue again
         self._group_ready = False
         self._redis_down = False  # log the outage once, not every tick
 
@@ -105,11 +108,13 @@ class Feeder:
     def tick(self) -> None:
         """One round: dead letters, groups to (re)enqueue, top-up to the bound. Never raises on Redis errors."""
         try:
+            self._check_stream()
             if not self._group_ready:
                 self.ensure_consumer_group()
             self._read_dead_letters()
             for record in self.ledger.unqueued():
                 self._enqueue(record)
+            self._enqueue_lost()
             self._requeue_stalled()
             missing = self.settings.outstanding - len(self.ledger.outstanding())
             for _ in range(max(0, missing)):
@@ -154,9 +159,28 @@ class Feeder:
             attempt=attempt,
             prompt_text=record.prompt_text,
         )
-        self.client.xadd(PROMPTS_STREAM, group.to_fields())
+        self._last_added = self.client.xadd(PROMPTS_STREAM, group.to_fields())
         self.ledger.mark_queued(record.group_id)
         self._queued_at[record.group_id] = time.monotonic()
+
+    def _check_stream(self) -> None:
+        # Nothing here deletes entries: when the last one added is gone, so is the stream (a FLUSHALL, Redis
+        # restarted without its data, the key deleted), with every group queued on it. Waiting out
+        # requeue_after_s would stall training that long.
+        if self._last_added is None or self.client.xrange(PROMPTS_STREAM, self._last_added, self._last_added):
+            return
+        self._lost = {r.group_id for r in self.ledger.outstanding() if self.store.count(r.group_id) < r.n}
+        log.warning("%s lost its entries (Redis flushed or restarted empty): enqueuing %d group(s) again",
+                    PROMPTS_STREAM, len(self._lost))  # fmt: skip
+        self._last_added = None
+        self._group_ready = False
+
+    def _enqueue_lost(self) -> None:
+        for group_id in sorted(self._lost):
+            record = self.ledger.get(group_id)
+            if record is not None and self.ledger.state(group_id) == OUTSTANDING:
+                self._enqueue(record)
+            self._lost.discard(group_id)
 
     def _requeue_stalled(self) -> None:
         now = time.monotonic()

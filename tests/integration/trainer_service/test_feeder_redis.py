@@ -121,3 +121,22 @@ def test_redis_down_is_survived_and_a_stalled_group_is_enqueued_again(tmp_path):
         assert len(ids) == 2 and len(set(ids)) == 1
     feeder.tick()  # Redis is gone: logged, not raised
     assert len(ledger.outstanding()) == 1
+
+
+def test_a_flushed_redis_gets_every_waiting_group_back_at_once(tmp_path):
+    with redis_server() as server:
+        feeder, ledger = _feeder(server.url, tmp_path, outstanding=3)  # requeue_after_s: 15 minutes
+        feeder.tick()
+        client = redis.Redis.from_url(server.url)
+        client.xreadgroup(GENERATOR_GROUP, "gen-a", {PROMPTS_STREAM: ">"}, count=1)  # one is being generated
+        waiting = [r.group_id for r in ledger.outstanding()]
+        feeder.tick()
+        assert len(_stream(client)) == 3  # nothing lost, nothing added twice
+        client.flushall()  # or Redis restarted without its data: the queued groups are gone with it
+        feeder.tick()
+        assert sorted(g.group_id for _, g in _stream(client)) == waiting
+        got = client.xreadgroup(GENERATOR_GROUP, "gen-a", {PROMPTS_STREAM: ">"}, count=10)
+        assert len(got[0][1]) == 3  # the consumer group is back and hands them out
+        assert [r.group_id for r in ledger.outstanding()] == waiting  # the same groups, not new prompts
+        feeder.tick()
+        assert len(_stream(client)) == 3
