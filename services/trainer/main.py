@@ -19,7 +19,7 @@ def serve(config: TrainerServiceConfig) -> int:
     """Run the trainer service; SIGTERM or SIGINT checkpoints and stops it. Returns the steps done."""
     from services.trainer.checkpoint import CheckpointError, TrainState
     from services.trainer.ledger import LedgerError
-    from services.trainer.service import TrainerService
+    from services.trainer.service import RunDirError, TrainerService
     from services.trainer.store import StoreError
     from trainer.model_io import ModelLoadError
 
@@ -27,8 +27,12 @@ def serve(config: TrainerServiceConfig) -> int:
     stop = threading.Event()
     try:
         service = TrainerService(config)
-    except (ModelLoadError, StoreError, LedgerError, CheckpointError) as exc:
+    except (ModelLoadError, StoreError, LedgerError, CheckpointError, RunDirError) as exc:
         raise SetupError(str(exc)) from None
+    except OSError as exc:  # the run dir is not a folder, not writable, on a full disk ...
+        where = f"{exc.filename}: " if exc.filename else ""
+        what = "not a folder" if isinstance(exc, (FileExistsError, NotADirectoryError)) else exc.strerror or exc
+        raise SetupError(f"cannot start: {where}{what}") from None
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         state: TrainState = service.run(stop)

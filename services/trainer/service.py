@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
-from services.trainer.store import TrajectoryStore
+from services.trainer.store import TrajectoryStore, fsync_dir
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
 
 log = logging.getLogger("sparrow.trainer")
@@ -31,6 +32,10 @@ log = logging.getLogger("sparrow.trainer")
 RUN_FILE = "run.json"
 ENDPOINTS_FILE = "endpoints.json"
 STEPS_FILE = "steps.jsonl"
+
+
+class RunDirError(RuntimeError):
+    """A file of the run dir that the start needs does not read back; one line naming it."""
 
 
 class TrainerService:
@@ -135,9 +140,20 @@ class TrainerService:
 
         path = self.run_dir / RUN_FILE
         if path.is_file():
-            return json.loads(path.read_text())["run_id"]
+            try:
+                return str(json.loads(path.read_text())["run_id"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise RunDirError(
+                    f"{path}: unreadable ({type(exc).__name__}: {exc}); it holds the run id its group ids carry"
+                ) from None
         run_id = new_run_id()
-        path.write_text(json.dumps({"run_id": run_id}) + "\n")
+        tmp = path.with_name(f".tmp-{RUN_FILE}")
+        with tmp.open("w") as f:  # whole or not at all: a torn one would stop every later start
+            f.write(json.dumps({"run_id": run_id}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(self.run_dir)
         return run_id
 
     def _redis(self):

@@ -79,3 +79,20 @@ def test_cli_names_a_missing_model_in_one_line(tmp_path):
     done = sparrow("trainer", "--model-dir", tmp_path / "missing", "--run-dir", tmp_path / "run")
     last = done.stderr.strip().splitlines()[-1]  # after the logged config: the one-line error
     assert done.returncode == 2 and last.startswith("sparrow trainer: error:") and "no such model folder" in last
+
+
+@pytest.mark.slow
+def test_cli_names_a_run_dir_it_cannot_use_in_one_line(tmp_path):
+    not_a_folder = tmp_path / "run"
+    not_a_folder.write_text("")
+    done = sparrow("trainer", "--run-dir", not_a_folder, "--redis-url", "redis://127.0.0.1:1/0")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("sparrow trainer: error:") and str(not_a_folder) in last
+    assert "Traceback" not in done.stderr
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "run.json").write_text('{"run_')  # no checkpoint yet: the run id is read from here
+    done = sparrow("trainer", "--run-dir", damaged, "--redis-url", "redis://127.0.0.1:1/0")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and last.startswith("sparrow trainer: error:") and "run.json" in last
+    assert "Traceback" not in done.stderr
