@@ -63,12 +63,17 @@ class GroupLedger:
         self._queued: set[str] = set()
         self._dead_reason: dict[str, str] = {}
         self.next_index = 0
-        for entry in self._read():
-            self._apply(entry)
+        for offset, entry in self._read():
+            try:
+                self._apply(entry)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:  # JSON, but not an entry of ours
+                raise LedgerError(
+                    f"{self.path}: damaged entry at byte {offset} ({type(exc).__name__}: {exc})"
+                ) from None
         self._file = self.path.open("a", encoding="utf-8")
         fsync_dir(self.folder)
 
-    def _read(self) -> list[dict]:
+    def _read(self) -> list[tuple[int, dict]]:
         if not self.path.exists():
             return []
         data = self.path.read_bytes()
@@ -77,7 +82,7 @@ class GroupLedger:
             try:
                 if not line.endswith(b"\n"):
                     raise ValueError("no newline")
-                entries.append(json.loads(line))
+                entries.append((offset, json.loads(line)))
             except ValueError:
                 if offset + len(line) == len(data):
                     log.warning("%s: cutting a torn last line left by a crash", self.path)

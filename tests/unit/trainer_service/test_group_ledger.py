@@ -86,3 +86,27 @@ def test_a_torn_last_line_is_cut_and_damage_before_it_refused(tmp_path):
     path.write_text("{not json\n" + whole)
     with pytest.raises(LedgerError, match="damaged line at byte 0"):
         GroupLedger(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        '{"kind":"enqueued","group":{"index":0,"group_id":"run-00000000"}}',  # fields missing
+        '{"kind":"enqueued"}',
+        "[1, 2]",
+        '"queued"',
+        '{"kind":"enqueued","group":{"index":"zero","group_id":"g","prompt_token_ids":[1],"n":4,"answer":"a",'
+        '"policy_version":1,"max_new_tokens":16}}',
+    ],
+)
+def test_a_line_that_parses_but_is_no_entry_is_damage_in_one_line(tmp_path, damaged):
+    ledger = GroupLedger(tmp_path)
+    ledger.add(_rec(0))
+    ledger.close()
+    path = tmp_path / LEDGER_NAME
+    whole = path.read_text()
+    path.write_text(
+        whole + damaged + "\n" + whole.replace("run-00000000", "run-00000001").replace('"index":0', '"index":1')
+    )
+    with pytest.raises(LedgerError, match=f"damaged entry at byte {len(whole)} "):
+        GroupLedger(tmp_path)
