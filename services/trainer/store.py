@@ -43,6 +43,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _whole_record_after(data: bytes, start: int) -> int | None:
+    """Offset of the first whole record (non-empty, checksum right) starting after `start`; None when none."""
+    for p in range(start + 1, len(data) - _HEADER.size + 1):
+        length, crc = _HEADER.unpack_from(data, p)
+        end = p + _HEADER.size + length
+        if 0 < length and end <= len(data) and zlib.crc32(data[p + _HEADER.size : end]) == crc:
+            return p
+    return None
+
+
 class TrajectoryStore:
     """Accepted trajectories by group and sample index, durable on disk; safe to use from many threads."""
 
@@ -70,7 +80,14 @@ class TrajectoryStore:
                 break  # torn header
             length, crc = _HEADER.unpack_from(data, offset)
             if end + length > len(data):
-                break  # torn body
+                after = _whole_record_after(data, offset)
+                if after is None:
+                    break  # torn body
+                # A torn write leaves part of one record; a length that runs past whole records is damage.
+                raise StoreError(
+                    f"{self.path}: damaged record at byte {offset} (its length runs past the end) "
+                    f"with a record at byte {after} after it"
+                )
             body = data[end : end + length]
             if zlib.crc32(body) != crc:
                 if end + length == len(data):

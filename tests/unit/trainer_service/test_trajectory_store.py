@@ -98,3 +98,18 @@ def test_concurrent_writers_fill_each_slot_exactly_once(tmp_path):
     assert results.count(ACCEPTED) == 10 and results.count(DUPLICATE) == 50
     store.close()
     assert TrajectoryStore(tmp_path).count("g") == 10
+
+
+def test_a_damaged_length_before_the_end_refuses_to_start_rather_than_cut_what_follows(tmp_path):
+    store = TrajectoryStore(tmp_path)
+    for i in range(4):
+        store.add(_traj(f"t{i}", index=i))
+    store.close()
+    path = tmp_path / LOG_NAME
+    data = bytearray(path.read_bytes())
+    second = 8 + int.from_bytes(data[0:4], "little")
+    data[second + 2] ^= 0x40  # the second record's length now runs past the end of the file
+    path.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=f"damaged record at byte {second} .* after it"):
+        TrajectoryStore(tmp_path)
+    assert path.read_bytes() == bytes(data)  # nothing cut: the three records after it are still there
