@@ -79,10 +79,13 @@ class WeightFetcher:
         channel = open_channel(self.address, self.security)
         try:
             stub = weights_pb2_grpc.WeightServiceStub(channel)
+            # The deadline bounds a trainer that hangs mid-download: without it the swap would wait forever.
             if kind == POLICY:
-                call = stub.FetchPolicy(weights_pb2.FetchPolicyRequest(version=version, chunk_bytes=self.chunk_bytes))
+                request = weights_pb2.FetchPolicyRequest(version=version, chunk_bytes=self.chunk_bytes)
+                call = stub.FetchPolicy(request, timeout=self.timeout_s)
             elif kind == ADAPTER:
-                call = stub.FetchAdapter(weights_pb2.FetchAdapterRequest(version=version, chunk_bytes=self.chunk_bytes))
+                request = weights_pb2.FetchAdapterRequest(version=version, chunk_bytes=self.chunk_bytes)
+                call = stub.FetchAdapter(request, timeout=self.timeout_s)
             else:
                 raise ValueError(f"unknown weight kind {kind!r}")
             try:

@@ -1,8 +1,10 @@
 """Weight downloads from a real gRPC WeightService: chunked, verified, refused whole when anything is off."""
 
 import hashlib
+import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
@@ -93,9 +95,14 @@ BAD_STREAMS = {
 class _Scripted(weights_pb2_grpc.WeightServiceServicer):
     def __init__(self):
         self.script = []
+        self.stall_s = 0.0  # after the script, hold the stream open (sending nothing) until the caller leaves
 
     def FetchPolicy(self, request, context):
         yield from self.script
+        if self.stall_s:
+            left = threading.Event()
+            context.add_callback(left.set)
+            left.wait(self.stall_s)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +132,19 @@ def test_an_empty_file_and_nested_paths_are_written(scripted, tmp_path):
     servicer.script = [_manifest(_file(), _file("sub/empty.json", 0, empty)), _chunk()]
     folder = WeightFetcher(address, GrpcSecurity(), tmp_path).fetch("policy", 3).folder
     assert (folder / "a.bin").read_bytes() == GOOD and (folder / "sub" / "empty.json").read_bytes() == b""
+
+
+def test_a_download_that_stalls_is_given_up_at_the_deadline_as_unavailable(scripted, tmp_path):
+    servicer, address = scripted
+    servicer.script = [_manifest(_file())]  # then nothing: a trainer that hangs mid-download
+    servicer.stall_s = 30.0
+    try:
+        with pytest.raises(WeightsUnavailable) as info:
+            WeightFetcher(address, GrpcSecurity(), tmp_path, timeout_s=1.0).fetch("policy", 3)
+    finally:
+        servicer.stall_s = 0.0
+    assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED  # worth retrying, not a refused version
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_the_version_watcher_hears_each_publish_and_survives_a_trainer_restart(trainer):
