@@ -70,6 +70,17 @@ class WeightFetcher:
         self.address, self.security = address, security
         self.root = Path(root)
         self.chunk_bytes, self.timeout_s = chunk_bytes, timeout_s
+        self._lock = threading.Lock()
+        self._calls: set = set()  # downloads under way, cancelled by close()
+        self._closed = False
+
+    def close(self) -> None:
+        """Cancel the downloads under way and every later one (they fail as WeightsUnavailable CANCELLED)."""
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
 
     def fetch(self, kind: str, version: int) -> Fetched:
         """Fetch `version` (0: the latest) of `kind` ("policy" or "adapter"); raises WeightFetchError."""
@@ -88,11 +99,18 @@ class WeightFetcher:
                 call = stub.FetchAdapter(request, timeout=self.timeout_s)
             else:
                 raise ValueError(f"unknown weight kind {kind!r}")
+            with self._lock:
+                self._calls.add(call)
+                if self._closed:
+                    call.cancel()
             try:
                 manifest = _Download(tmp, version, what).run(call)
             except grpc.RpcError as exc:
                 message = f"cannot fetch {what} from {self.address}: {exc.code().name} {exc.details()}"
                 raise WeightsUnavailable(message, exc.code()) from None
+            finally:
+                with self._lock:
+                    self._calls.discard(call)
             final = self.root / f"{kind}-v{manifest.version}"
             if final.exists():
                 shutil.rmtree(final)
@@ -295,10 +313,15 @@ class VersionSync:
         return self
 
     def close(self) -> None:
-        """Stop the background swapper (a swap under way finishes first)."""
+        """Stop the background swapper; a download under way (its own or a LoadVersions call's) is cancelled.
+
+        A load under way finishes first. The engine loop has stopped by now, so no download could be loaded,
+        and a LoadVersions call's thread still downloading would keep the process from exiting.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self.fetcher.close()
         if self._thread.is_alive():
             self._thread.join(5)
 

@@ -1,5 +1,6 @@
 """GeneratorControl on a running generator over real gRPC: token, health, schedule, versions, status, drain."""
 
+import threading
 import time
 
 import grpc
@@ -111,6 +112,34 @@ def test_load_versions_loads_a_good_policy_and_refuses_a_corrupt_or_missing_one(
         grpc.StatusCode.INVALID_ARGUMENT
     )
     assert stub.GetStatus(generator_pb2.GetStatusRequest(), timeout=5).serving.policy_version == 2
+
+
+def test_stopping_the_generator_cancels_a_load_versions_download_under_way(start, monkeypatch):
+    # The RPC's thread is joined when the process exits: a download it left running would hold a
+    # SIGTERMed generator up to trainer.fetch_timeout_s, past any pod's grace period.
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", TOKEN)
+    h = start(**{"trainer.follow_versions": False})
+    h.trainer.publish("policy", 2, SMALL, hang=True)
+    channel = open_channel(f"127.0.0.1:{h.generator.control.port}", GrpcSecurity(token=TOKEN))
+    stub = generator_pb2_grpc.GeneratorControlStub(channel)
+    answers = []
+
+    def load():
+        try:
+            answers.append(stub.LoadVersions(generator_pb2.LoadVersionsRequest(policy_version=2), timeout=120))
+        except grpc.RpcError as exc:
+            answers.append(exc.code())
+
+    caller = threading.Thread(target=load)
+    caller.start()
+    try:
+        h.trainer.wait_for(lambda: ("policy", 2) in h.trainer.fetches, 30, "the download started")
+        h.stop()
+        h.trainer.wait_for(lambda: ("policy", 2) in h.trainer.fetches_left, 60, "the download given up")
+        caller.join(60)
+    finally:
+        channel.close()
+    assert len(answers) == 1 and h.service.serving.policy_version == 0
 
 
 def test_drain_hands_back_an_unfinished_group_and_stops_claiming(running):
