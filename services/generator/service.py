@@ -446,23 +446,27 @@ class GeneratorService:
 
     def _hand_back_all(self) -> None:
         self._settle_all()
-        for gid, g in list(self._groups.items()):
+        for gid in self._groups:
             self.engine.abort(gid)
-            self._hand_back(g.claimed, done=g.settle == "ack")
-        for c in self._deferred:
-            self._hand_back(c, done=False)
+        # The trainer holds all of a group settled "ack" (only our XACK failed): leave it pending, as a reclaim
+        # costs duplicates only. Redis is tried until it fails once: every later try would wait out the socket
+        # timeout too, one per group, holding a SIGTERMed generator far past its grace.
+        back = [g.claimed for g in self._groups.values() if g.settle != "ack"] + self._deferred
+        self._drain_counts[1] += len(self._groups) + len(self._deferred)
+        for i, c in enumerate(back):
+            try:
+                self.work.hand_back(c)
+            except redis.RedisError as exc:
+                log.warning(
+                    "cannot hand back %s (%s); it and %d more stay pending and will be reclaimed",
+                    c.entry_id,
+                    exc,
+                    len(back) - i - 1,
+                )
+                break
         self._groups.clear()
         self._deferred.clear()
         self._show_in_flight()
-
-    def _hand_back(self, c: Claimed, done: bool) -> None:
-        self._drain_counts[1] += 1
-        if done:
-            return  # the trainer holds it all; only our XACK failed: leave it pending, a reclaim costs duplicates
-        try:
-            self.work.hand_back(c)
-        except redis.RedisError as exc:
-            log.warning("cannot hand back %s (%s); it stays pending and will be reclaimed", c.entry_id, exc)
 
     # ---- swaps (engine thread) -----------------------------------------------------------------------
 

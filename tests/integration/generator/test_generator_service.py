@@ -217,3 +217,32 @@ def test_a_group_naming_an_unpublished_policy_does_not_stop_the_generator_follow
     h.enqueue(group("after", n=1))
     h.wait_settled({"after": 1})
     assert trainer.of_group("after")[0].versions.policy_version == 2
+
+
+def test_a_drain_with_redis_hung_tries_redis_once_not_once_per_group(start, trainer, caplog):
+    import logging
+    import os
+    import signal
+
+    import redis
+
+    from tests.servers import redis_server
+
+    # Each try waits out the socket timeout: one per group would hold a SIGTERMed generator far past its grace.
+    trainer.swallow = lambda t: True  # no group can finish: all of them are to be handed back
+    with redis_server() as server:
+        client = redis.Redis.from_url(server.url)
+        h = start(**{"queue.url": server.url, "queue.socket_timeout_s": 1.0, "max_in_flight_groups": 4})
+        for i in range(4):
+            client.xadd(h.config.queue.stream, group(f"h{i}", n=1, seed=i).to_fields())
+        trainer.wait_for(lambda: len(trainer.swallowed) == 4, 60, "every group sent")
+        os.kill(server.process.pid, signal.SIGSTOP)  # Redis hangs: every command waits out its timeout
+        try:
+            with caplog.at_level(logging.WARNING, logger="sparrow.generator"):
+                assert h.service.request_drain(0.0, exit_after=True).result(60) == (0, 4)
+                h.thread.join(30)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        client.close()
+    tries = [r for r in caplog.records if r.getMessage().startswith("cannot hand back")]
+    assert len(tries) == 1 and "and 3 more stay pending" in tries[0].getMessage()
