@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 
 import httpx
 
 from services.controller.readings import BinReading, Snapshot
 from sparrow import metrics_contract as mc
+
+# A bin label as the trainer writes it (`mc.bin_label`). Any other label value, which a foreign series may
+# carry, names no bin: str.isdigit alone also takes '²', which int() refuses, and int() refuses 4,300 digits.
+BIN_NUMBER = re.compile(r"[0-9]{1,9}")
 
 
 class PrometheusUnavailable(RuntimeError):
@@ -102,7 +107,7 @@ def _by_bin(series: list[tuple[dict[str, str], float]]) -> dict[int, float]:
     out = {}
     for labels, value in series:
         label = labels.get(mc.BIN_LABEL)
-        if label is None or not label.isdigit() or not math.isfinite(value):
+        if label is None or not BIN_NUMBER.fullmatch(label) or not math.isfinite(value):
             continue
         out[int(label)] = value
     return out

@@ -1,0 +1,111 @@
+"""The controller's Prometheus reader against a real Prometheus scraping an exporter that shows odd series.
+
+The exporter serves whatever exposition text a test sets, so that series a trainer never writes (labels
+that are no bin, values outside their range) reach the reader exactly as Prometheus hands them on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from services.controller.prometheus_source import PrometheusSource
+from services.controller.readings import Snapshot
+from sparrow import metrics_contract as mc
+from tests.servers import prometheus_server, wait_until
+
+
+@dataclass
+class Exporter:
+    """A /metrics endpoint serving `text` as it stands."""
+
+    server: ThreadingHTTPServer
+    text: str = ""
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.server_address[1]}"
+
+
+@pytest.fixture(scope="module")
+def scraped() -> Iterator[tuple[Exporter, str]]:
+    exporter = Exporter(ThreadingHTTPServer(("127.0.0.1", 0), None))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = exporter.text.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    exporter.server.RequestHandlerClass = Handler
+    thread = threading.Thread(target=exporter.server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with prometheus_server([exporter.target]) as prom:
+            yield exporter, prom.url
+    finally:
+        exporter.server.shutdown()
+        exporter.server.server_close()
+
+
+def _trainer(p5s: dict[str, float], steps: int, extra: str = "") -> str:
+    """A trainer's exposition: p5 and tokens per bin label, its schedule version and step counter."""
+    lines = [f'{mc.ALPHA_P5_GAUGE}{{bin="{b}"}} {p}' for b, p in p5s.items()]
+    lines += [f'{mc.ALPHA_TOKENS_GAUGE}{{bin="{b}"}} 5000' for b in p5s]
+    lines += [f"{mc.SCHEDULE_VERSION_GAUGE} 1", f"{mc.ALPHA_STEPS_COUNTER}_total {steps}"]
+    return "\n".join(lines) + "\n" + extra
+
+
+def _read(url: str, probes: bool = False) -> Snapshot:
+    async def main() -> Snapshot:
+        source = PrometheusSource(url, window_s=5, timeout_s=5, max_age_s=5, probes=probes)
+        try:
+            return await source.read(time.time())
+        finally:
+            await source.aclose()
+
+    return asyncio.run(main())
+
+
+def _show(exporter: Exporter, url: str, text: str, steps: int) -> None:
+    """Serve `text` and wait until Prometheus has scraped it (its step counter reads `steps`)."""
+    exporter.text = text
+
+    def scraped_now() -> bool:
+        series = asyncio.run(_query(url, f"{mc.ALPHA_STEPS_COUNTER}_total"))
+        return series == [float(steps)]
+
+    wait_until(scraped_now, 30, f"Prometheus scraped step {steps}")
+
+
+async def _query(url: str, promql: str) -> list[float]:
+    source = PrometheusSource(url, window_s=5, timeout_s=5, max_age_s=5)
+    try:
+        return [value for _, value in await source.query(promql)]
+    finally:
+        await source.aclose()
+
+
+def test_series_whose_bin_label_is_no_bin_number_are_left_out(scraped):
+    exporter, url = scraped
+    # '²' passes str.isdigit but not int(); 5000 digits pass neither int() nor any schedule.
+    odd = "".join(
+        f'{mc.ALPHA_P5_GAUGE}{{bin="{label}"}} 0.5\n{mc.ALPHA_TOKENS_GAUGE}{{bin="{label}"}} 5000\n'
+        for label in ("\u00b2", "9" * 5000, "x")
+    )
+    _show(exporter, url, _trainer({"0": 0.9, "1": 0.91}, steps=1, extra=odd), steps=1)
+    snapshot = _read(url)
+    assert set(snapshot.bins) == {0, 1}
+    assert snapshot.bins[0].p5_exact == 0.9 and snapshot.bins[1].p5_exact == 0.91
