@@ -14,6 +14,8 @@ from sparrow import metrics_contract as mc
 # A bin label as the trainer writes it (`mc.bin_label`). Any other label value, which a foreign series may
 # carry, names no bin: str.isdigit alone also takes '²', which int() refuses, and int() refuses 4,300 digits.
 BIN_NUMBER = re.compile(r"[0-9]{1,9}")
+# Queries whose values are p5s of alpha, a ratio: a value outside [0, 1] is no reading, whatever series gave it.
+RATIO_QUERIES = ("p5_exact", "p5_histogram", "probe_p5")
 
 
 class PrometheusUnavailable(RuntimeError):
@@ -76,11 +78,14 @@ class PrometheusSource:
         return [(item["metric"], float(item["value"][1])) for item in data.get("result", [])]
 
     async def read(self, now: float) -> Snapshot:
-        """The trainer's readings per bin at time `now`; stale bins and NaN values are left out."""
+        """The trainer's readings per bin at time `now`; stale bins, NaN values and p5s outside [0, 1] are left out."""
         names = list(self.queries)
         results = await asyncio.gather(*(self.query(self.queries[n], at=now) for n in names))
         by_name = dict(zip(names, results, strict=True))
         per_bin: dict[str, dict[int, float]] = {name: _by_bin(series) for name, series in by_name.items()}
+        for name in RATIO_QUERIES:
+            if name in per_bin:
+                per_bin[name] = {index: v for index, v in per_bin[name].items() if 0.0 <= v <= 1.0}
         version_series = by_name["version"]
         version = int(version_series[0][1]) if version_series and math.isfinite(version_series[0][1]) else None
         steps_series = by_name["steps"]

@@ -109,3 +109,20 @@ def test_series_whose_bin_label_is_no_bin_number_are_left_out(scraped):
     snapshot = _read(url)
     assert set(snapshot.bins) == {0, 1}
     assert snapshot.bins[0].p5_exact == 0.9 and snapshot.bins[1].p5_exact == 0.91
+
+
+def test_a_p5_outside_0_1_is_no_reading(scraped):
+    exporter, url = scraped
+    # A ratio can be neither: acted on, -0.5 doubled a bin's budget, 7.0 halved it, and 1e308 overflowed
+    # the bin's running mean to inf, which failed every later tick until the memory forgot it.
+    p5s = {"0": -0.5, "1": 7.0, "2": 1e308, "3": 0.9, "4": 0.0, "5": 1.0}
+    probe = "".join(
+        f'{mc.PROBE_P5_GAUGE}{{bin="{b}"}} {p}\n{mc.PROBE_TOKENS_GAUGE}{{bin="{b}"}} 5000\n'
+        f'{mc.PROBE_BUDGET_GAUGE}{{bin="{b}"}} 512\n'
+        for b, p in p5s.items()
+    )
+    _show(exporter, url, _trainer(p5s, steps=2, extra=probe), steps=2)
+    snapshot = _read(url, probes=True)
+    assert set(snapshot.bins) == {0, 1, 2, 3, 4, 5}
+    assert [snapshot.bins[i].p5_exact for i in range(6)] == [None, None, None, 0.9, 0.0, 1.0]
+    assert [snapshot.bins[i].probe_p5 for i in range(6)] == [None, None, None, 0.9, 0.0, 1.0]
