@@ -100,7 +100,8 @@ class PrometheusSource:
                 tokens_exact=per_bin["tokens_exact"].get(index, 0.0),
                 p5_histogram=per_bin["p5_histogram"].get(index),
                 tokens_window=per_bin["tokens_window"].get(index, 0.0),
-                probe_budget=int(probe_budget) if probe_budget else None,
+                # Under one token (0: no probe) there is no budget to fit a curve at: log2 of it fails.
+                probe_budget=int(probe_budget) if probe_budget is not None and probe_budget >= 1 else None,
                 probe_p5=per_bin.get("probe_p5", {}).get(index),
                 probe_tokens=per_bin.get("probe_tokens", {}).get(index, 0.0),
             )

@@ -126,3 +126,17 @@ def test_a_p5_outside_0_1_is_no_reading(scraped):
     assert set(snapshot.bins) == {0, 1, 2, 3, 4, 5}
     assert [snapshot.bins[i].p5_exact for i in range(6)] == [None, None, None, 0.9, 0.0, 1.0]
     assert [snapshot.bins[i].probe_p5 for i in range(6)] == [None, None, None, 0.9, 0.0, 1.0]
+
+
+def test_a_probe_budget_below_one_token_is_no_probe(scraped):
+    exporter, url = scraped
+    # A negative budget reached the bin's curve, whose log2 then failed every tick until the memory forgot it.
+    budgets = {"0": -16, "1": 0.5, "2": 0, "3": 768}
+    probe = "".join(
+        f'{mc.PROBE_P5_GAUGE}{{bin="{b}"}} 0.9\n{mc.PROBE_TOKENS_GAUGE}{{bin="{b}"}} 5000\n'
+        f'{mc.PROBE_BUDGET_GAUGE}{{bin="{b}"}} {budget}\n'
+        for b, budget in budgets.items()
+    )
+    _show(exporter, url, _trainer(dict.fromkeys(budgets, 0.9), steps=3, extra=probe), steps=3)
+    snapshot = _read(url, probes=True)
+    assert [snapshot.bins[i].probe_budget for i in range(4)] == [None, None, None, 768]
