@@ -70,12 +70,21 @@ class PrometheusSource:
             body = resp.json()
         except ValueError:
             raise PrometheusUnavailable(f"Prometheus answered HTTP {resp.status_code} without JSON") from None
+        if not isinstance(body, dict):  # a proxy or another service: JSON, but no API answer
+            raise PrometheusUnavailable(f"Prometheus answered HTTP {resp.status_code} with JSON that is no API answer")
         if resp.status_code != 200 or body.get("status") != "success":
             raise PrometheusUnavailable(f"Prometheus rejected {promql!r}: {body.get('error', resp.status_code)}")
         data = body.get("data", {})
-        if data.get("resultType") != "vector":
-            raise PrometheusUnavailable(f"expected an instant vector for {promql!r}, got {data.get('resultType')}")
-        return [(item["metric"], float(item["value"][1])) for item in data.get("result", [])]
+        kind = data.get("resultType") if isinstance(data, dict) else type(data).__name__
+        if kind != "vector":
+            raise PrometheusUnavailable(f"expected an instant vector for {promql!r}, got {kind}")
+        try:
+            series = [(item["metric"], float(item["value"][1])) for item in data.get("result", [])]
+        except (KeyError, IndexError, TypeError, ValueError):
+            series = None
+        if series is None or not all(_is_label_set(labels) for labels, _ in series):
+            raise PrometheusUnavailable(f"Prometheus answered {promql!r} with a malformed instant vector")
+        return series
 
     async def read(self, now: float) -> Snapshot:
         """The trainer's readings per bin at time `now`; stale bins, NaN values and p5s outside [0, 1] are left out."""
@@ -106,6 +115,10 @@ class PrometheusSource:
                 probe_tokens=per_bin.get("probe_tokens", {}).get(index, 0.0),
             )
         return Snapshot(trainer_version=version, bins=bins, trainer_steps=steps)
+
+
+def _is_label_set(labels: object) -> bool:
+    return isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())
 
 
 def _by_bin(series: list[tuple[dict[str, str], float]]) -> dict[int, float]:

@@ -10,12 +10,13 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from services.controller.prometheus_source import PrometheusSource
+from services.controller.prometheus_source import PrometheusSource, PrometheusUnavailable
 from services.controller.readings import Snapshot
 from sparrow import metrics_contract as mc
 from tests.servers import prometheus_server, wait_until
@@ -140,3 +141,70 @@ def test_a_probe_budget_below_one_token_is_no_probe(scraped):
     _show(exporter, url, _trainer(dict.fromkeys(budgets, 0.9), steps=3, extra=probe), steps=3)
     snapshot = _read(url, probes=True)
     assert [snapshot.bins[i].probe_budget for i in range(4)] == [None, None, None, 768]
+
+
+VECTOR = b'{"status": "success", "data": {"resultType": "vector", "result": %s}}'
+
+
+@contextmanager
+def _answering(status: int, body: bytes) -> Iterator[str]:
+    """A stand-in for Prometheus's HTTP API answering every query with `status` and `body`; yields its URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body"),
+    [
+        (200, b"[]"),
+        (200, b"null"),
+        (500, b'["oops"]'),
+        (200, b'{"status": "success", "data": []}'),
+        (200, VECTOR % b'[{"metric": {}}]'),
+        (200, VECTOR % b'[{"metric": {}, "value": [1, "x"]}]'),
+        (200, VECTOR % b'[{"metric": [], "value": [1, "1"]}]'),
+        (200, VECTOR % b'[{"metric": {"bin": 0}, "value": [1, "1"]}]'),
+        (200, VECTOR % b"5"),
+    ],
+    ids=[
+        "list",
+        "null",
+        "error-list",
+        "data-list",
+        "no-value",
+        "value-text",
+        "metric-list",
+        "label-number",
+        "result-number",
+    ],
+)
+def test_an_answer_that_is_json_but_no_query_result_is_prometheus_unavailable(status, body):
+    # Anything else escaped the tick as a traceback, and the controller did not report itself blind.
+    async def main() -> None:
+        with _answering(status, body) as url:
+            source = PrometheusSource(url, window_s=5, timeout_s=5, max_age_s=5)
+            try:
+                with pytest.raises(PrometheusUnavailable):
+                    await source.read(time.time())
+            finally:
+                await source.aclose()
+
+    asyncio.run(main())
