@@ -52,6 +52,7 @@ class PrometheusSource:
         self.url = url.rstrip("/")
         self.window_s = window_s
         self.max_age_s = max_age_s
+        self.timeout_s = timeout_s
         self.queries = queries(window_s, probes)
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
@@ -63,9 +64,13 @@ class PrometheusSource:
         """An instant query: (labels, value) per series; raises PrometheusUnavailable on any failure."""
         params = {"query": promql} if at is None else {"query": promql, "time": f"{at:.3f}"}
         try:
-            resp = await self._client.get(f"{self.url}/api/v1/query", params=params)
+            # httpx's timeout bounds each socket read, not the answer: one trickling in would hold the tick.
+            async with asyncio.timeout(self.timeout_s):
+                resp = await self._client.get(f"{self.url}/api/v1/query", params=params)
         except httpx.HTTPError as exc:
             raise PrometheusUnavailable(f"cannot reach Prometheus at {self.url}: {exc!r}") from None
+        except TimeoutError:
+            raise PrometheusUnavailable(f"Prometheus did not answer {promql!r} within {self.timeout_s:g} s") from None
         try:
             body = resp.json()
         except ValueError:

@@ -208,3 +208,43 @@ def test_an_answer_that_is_json_but_no_query_result_is_prometheus_unavailable(st
                 await source.aclose()
 
     asyncio.run(main())
+
+
+def test_an_answer_trickling_in_past_the_timeout_is_prometheus_unavailable():
+    # Each byte arrives well within the timeout of one socket read; the whole answer does not. The query
+    # held the tick, and with it the lock an override waits on, for as long as the answer took.
+    body = b" " * 60 + VECTOR % b"[]"
+    stop = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(len(body)):
+                if stop.wait(0.1 if i < 60 else 0):
+                    return
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    async def main() -> None:
+        source = PrometheusSource(f"http://127.0.0.1:{server.server_address[1]}", 5, timeout_s=1, max_age_s=5)
+        try:
+            with pytest.raises(PrometheusUnavailable, match="within 1"):
+                await source.query("up")
+        finally:
+            await source.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
