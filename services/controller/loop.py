@@ -133,10 +133,18 @@ class ControlLoop:
         self.metrics.steps_unseen.inc(unseen)
 
     async def _current(self) -> Schedule | None:
-        """The schedule in Redis, publishing the initial one if Redis has none; None when Redis fails us."""
+        """The schedule in Redis (the initial one if it has none, the held one if it lost it); None on failure."""
+        held = self.schedule
         try:
             schedule = await self.publisher.current()
-            if schedule is None:
+            if held is not None and (schedule is None or schedule.version < held.version):
+                # Redis lost the schedule in force (flushed, or a replica that missed the last writes took
+                # over). Generators ignore any version not above the last one they saw: it goes back above.
+                lost = "none" if schedule is None else f"v{schedule.version}"
+                reason = f"schedule v{held.version} restored (Redis held {lost})"
+                seen = None if schedule is None else schedule.version
+                schedule = await self._publish(held, reason, "restore", [], expected=seen, above=held.version)
+            elif schedule is None:
                 schedule = await self._publish(self.initial, "initial schedule", "initial", [], expected=None)
         except (StoreError, ScheduleError) as exc:
             self.store_error = str(exc)
@@ -173,11 +181,19 @@ class ControlLoop:
         return "ok"
 
     async def _publish(
-        self, schedule: Schedule, reason: str, source: str, decisions: list[Decision], expected: int | None
+        self,
+        schedule: Schedule,
+        reason: str,
+        source: str,
+        decisions: list[Decision],
+        expected: int | None,
+        above: int = 0,
     ) -> Schedule:
         speedup = self._speedup(schedule)
         entries = [asdict(d) for d in decisions]
-        new = await self.publisher.publish(schedule, reason, source, entries, speedup, expected_version=expected)
+        new = await self.publisher.publish(
+            schedule, reason, source, entries, speedup, expected_version=expected, above=above
+        )
         self.schedule, self.speedup = new, speedup
         self.metrics.show_schedule(new.budgets, new.version, speedup)
         for d in entries or [{"bin": None, "reason": source, "detail": reason}]:

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 from sparrow import metrics_contract as mc
 
-DECISION_REASONS = ("raise", "lower", "refine", "retry", "repair", "override", "initial")
+DECISION_REASONS = ("raise", "lower", "refine", "retry", "repair", "override", "initial", "restore")
 TICK_OUTCOMES = ("ok", "blind", "paused", "store_error", "rejected", "conflict")
 
 

@@ -55,11 +55,13 @@ class SchedulePublisher:
         decisions: list[dict[str, Any]] | None = None,
         predicted_speedup: float | None = None,
         expected_version: int | None = None,
+        above: int = 0,
     ) -> Schedule:
         """Write `schedule` as the next version and notify subscribers; returns what was written.
 
         The version is the stored one plus one (whatever `schedule.version` says), so versions only
-        grow. With `expected_version`, nothing is written unless the stored version still equals it.
+        grow; it is also above `above`, a version the caller knows was in force (Redis may have lost
+        it). With `expected_version`, nothing is written unless the stored version still equals it.
         Raises ScheduleError (never written) for an invalid schedule and StoreError for Redis trouble.
         """
         validated(schedule)
@@ -71,7 +73,7 @@ class SchedulePublisher:
                     raise VersionConflict(f"schedule is at version {stored}, expected {expected_version}")
                 # The history remembers the last version even if the current key was wiped or garbled.
                 last = await pipe.lindex(mc.SCHEDULE_HISTORY_KEY, -1)
-                base = max(stored or 0, _stored_version(last) or 0)
+                base = max(stored or 0, _stored_version(last) or 0, above)
                 new = validated(dataclasses.replace(schedule, version=base + 1))
                 entry = {
                     "version": new.version,
