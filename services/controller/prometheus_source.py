@@ -16,6 +16,10 @@ from sparrow import metrics_contract as mc
 BIN_NUMBER = re.compile(r"[0-9]{1,9}")
 # Queries whose values are p5s of alpha, a ratio: a value outside [0, 1] is no reading, whatever series gave it.
 RATIO_QUERIES = ("p5_exact", "p5_histogram", "probe_p5")
+# Queries whose values count tokens, which weigh readings: past 2^53 a count is no step's (and sums of such
+# weights overflow a running mean to NaN).
+TOKEN_QUERIES = ("tokens_exact", "tokens_window", "probe_tokens")
+MAX_TOKENS = 2.0**53
 
 
 class PrometheusUnavailable(RuntimeError):
@@ -100,6 +104,9 @@ class PrometheusSource:
         for name in RATIO_QUERIES:
             if name in per_bin:
                 per_bin[name] = {index: v for index, v in per_bin[name].items() if 0.0 <= v <= 1.0}
+        for name in TOKEN_QUERIES:
+            if name in per_bin:
+                per_bin[name] = {index: v for index, v in per_bin[name].items() if 0.0 <= v <= MAX_TOKENS}
         version_series = by_name["version"]
         version = int(version_series[0][1]) if version_series and math.isfinite(version_series[0][1]) else None
         steps_series = by_name["steps"]

@@ -248,3 +248,20 @@ def test_an_answer_trickling_in_past_the_timeout_is_prometheus_unavailable():
         stop.set()
         server.shutdown()
         server.server_close()
+
+
+def test_a_token_count_past_any_step_is_no_count(scraped):
+    exporter, url = scraped
+    # Weighted by 1e308 tokens, a bin's running mean overflowed to NaN, and its curve then failed every tick.
+    text = _trainer({"0": 0.9, "1": 0.9}, steps=4).replace(
+        f'{mc.ALPHA_TOKENS_GAUGE}{{bin="0"}} 5000', f'{mc.ALPHA_TOKENS_GAUGE}{{bin="0"}} 1e308'
+    )
+    probe = "".join(
+        f'{mc.PROBE_P5_GAUGE}{{bin="{b}"}} 0.9\n{mc.PROBE_TOKENS_GAUGE}{{bin="{b}"}} {n}\n'
+        f'{mc.PROBE_BUDGET_GAUGE}{{bin="{b}"}} 512\n'
+        for b, n in (("0", 1e308), ("1", 3000))
+    )
+    _show(exporter, url, text + probe, steps=4)
+    snapshot = _read(url, probes=True)
+    assert [snapshot.bins[i].tokens_exact for i in range(2)] == [0.0, 5000.0]
+    assert [snapshot.bins[i].probe_tokens for i in range(2)] == [0.0, 3000.0]
