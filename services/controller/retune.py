@@ -222,7 +222,9 @@ class Retuner:
             if cheapest <= b:  # the pooled fit disagrees with this budget's readings: trust the readings
                 cheapest = b * 2 ** ((c.target - estimate) / c.prior_slope)
             new = min(max(cheapest, self.grid.next_above(b)), b * c.max_step_ratio, c.max_budget)
-            new = min(self.grid.up(new), c.max_budget)
+            # A bin under min_budget (a schedule set under other bounds) rises at least into the bounds: the
+            # step cap would leave it below them, where the loop refuses to publish it, and the bin never rose.
+            new = max(min(self.grid.up(new), c.max_budget), c.min_budget)
             if new <= b:
                 status.state = "at_max"
                 return None

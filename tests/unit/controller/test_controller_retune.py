@@ -392,3 +392,13 @@ def test_a_budget_that_failed_within_its_noise_is_tried_again_and_one_that_faile
     for p5 in [0.92, 0.90, 0.93, 0.91] * 5:
         read(p5)
         assert schedule.budgets[0] > 192
+
+
+def test_a_raise_from_under_min_budget_lands_in_bounds():
+    # A schedule from before a change of bounds: doubling 128 gave 256, outside [512, ...], which the loop
+    # refused tick after tick, so a bin under tau never rose.
+    config = RetuneConfig(min_budget=512)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(128, 1024))
+    proposal = r.step(schedule, Snapshot(1, {0: reading(0.5), 1: reading(0.95)}, trainer_steps=1), 1.0)
+    assert proposal.budgets[0] == 512 and proposal.decisions[0].reason == "raise"
