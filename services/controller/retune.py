@@ -250,10 +250,12 @@ class Retuner:
             how = f"cheapest fit {cheapest:.0f} (extrapolated)"
         else:
             return None
-        new = max(self.grid.up(cheapest), self.grid.up(b / c.max_step_ratio), c.min_budget)
+        # A bin over max_budget (a schedule set under other bounds) comes down at least into the bounds: the
+        # step cap would leave it above them, where the loop refuses to publish it (with the other bins' changes).
+        new = min(max(self.grid.up(cheapest), self.grid.up(b / c.max_step_ratio), c.min_budget), c.max_budget)
         if marginal is not None:
             new = max(new, self.grid.next_above(marginal))
-        if new >= b:
+        if new >= b or new > c.max_budget:  # into the bounds only through a budget seen failing: stay
             return None
         return new, f"{reason}: p5 {estimate:.4f} >= target {c.target:.4f}, {how}"
 

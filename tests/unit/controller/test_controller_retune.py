@@ -402,3 +402,25 @@ def test_a_raise_from_under_min_budget_lands_in_bounds():
     schedule = Schedule(budgets=(128, 1024))
     proposal = r.step(schedule, Snapshot(1, {0: reading(0.5), 1: reading(0.95)}, trainer_steps=1), 1.0)
     assert proposal.budgets[0] == 512 and proposal.decisions[0].reason == "raise"
+
+
+def test_a_lowering_from_over_max_budget_lands_in_bounds():
+    # The mirror of the case above: halving 16384 gave 8192, outside [..., 4096], which the loop refused tick
+    # after tick, together with every other bin's change in the same proposal.
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=1, max_budget=4096)
+    r = Retuner(config, window_s=5)
+    proposal = r.step(Schedule(budgets=(16384,)), Snapshot(1, {0: reading(0.99)}), now=1)
+    assert proposal.budgets == (4096,) and proposal.decisions[0].reason == "lower"
+
+
+def test_a_bin_over_max_budget_whose_readings_fail_at_max_budget_proposes_nothing_out_of_bounds():
+    config = RetuneConfig(lower_hold_s=0, lower_min_readings=1, max_budget=4096)
+    r = Retuner(config, window_s=5)
+    schedule = Schedule(budgets=(4096,))
+    for t in range(3):  # 4096 seen failing, beyond doubt
+        r.step(schedule, Snapshot(1, {0: reading(0.5, 5000 + t)}, trainer_steps=t), now=t)
+    schedule = Schedule(budgets=(16384,), version=2)
+    for t in range(3, 8):
+        proposal = r.step(schedule, Snapshot(2, {0: reading(0.99, 5000 + t)}, trainer_steps=t), now=t)
+        assert all(b == 16384 or b <= 4096 for b in proposal.budgets), proposal.budgets
+        assert all(b > 4096 for b in proposal.budgets), "lowered to a budget seen failing"
