@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from typing import Any
 
@@ -12,6 +13,8 @@ from redis.exceptions import WatchError
 
 from sparrow import metrics_contract as mc
 from sparrow.schedule import Schedule, ScheduleError
+
+log = logging.getLogger("sparrow.controller")
 
 
 class StoreError(RuntimeError):
@@ -105,7 +108,17 @@ class SchedulePublisher:
             raws = await self.client.lrange(mc.SCHEDULE_HISTORY_KEY, -limit, -1)
         except Exception as exc:
             raise StoreError(f"cannot read {mc.SCHEDULE_HISTORY_KEY}: {exc}") from None
-        return [json.loads(r) for r in raws]
+        entries = []
+        for raw in raws:  # an entry someone else wrote badly is left out, not a failure of the whole list
+            try:
+                entry = json.loads(raw)
+            except (ValueError, RecursionError):
+                entry = None
+            if isinstance(entry, dict):
+                entries.append(entry)
+            else:
+                log.warning("%s holds an entry that is not a JSON object; left out", mc.SCHEDULE_HISTORY_KEY)
+        return entries
 
     async def set_probe(
         self, schedule_version: int, share: float, budgets: dict[int, int], num_bins: int, ttl_s: float

@@ -92,3 +92,19 @@ def test_an_unreachable_redis_is_a_store_error():
             await client.aclose()
 
     asyncio.run(main())
+
+
+def test_history_entries_that_are_not_json_objects_are_left_out_not_a_failure(redis_url):
+    sync = redis.Redis.from_url(redis_url)
+    sync.flushdb()
+
+    async def body(pub):
+        await pub.publish(Schedule(budgets=(512,)), "first", "initial")
+        sync.rpush(mc.SCHEDULE_HISTORY_KEY, b"[1, 2]")
+        await pub.publish(Schedule(budgets=(1024,)), "second", "raise")  # the list keeps 3: v1, garbage, v2
+        with_json = await pub.history(10)
+        sync.lset(mc.SCHEDULE_HISTORY_KEY, 1, b"\xff{torn")
+        return with_json, await pub.history(10)
+
+    for history in _run(redis_url, body):
+        assert [h["version"] for h in history] == [1, 2]
