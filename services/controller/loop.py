@@ -146,6 +146,12 @@ class ControlLoop:
                 schedule = await self._publish(held, reason, "restore", [], expected=seen, above=held.version)
             elif schedule is None:
                 schedule = await self._publish(self.initial, "initial schedule", "initial", [], expected=None)
+            quantum = self.config.retune.budget_quantum
+            if quantum % schedule.page_size:  # written by someone else: valid, but off the budget grid
+                raise ScheduleError(
+                    f"schedule v{schedule.version} has page size {schedule.page_size}, "
+                    f"which does not divide budget_quantum {quantum}"
+                )
         except (StoreError, ScheduleError) as exc:
             self.store_error = str(exc)
             log.error("schedule store: %s; holding", exc)

@@ -64,3 +64,31 @@ def test_a_schedule_redis_lost_or_holds_older_comes_back_above_the_version_in_fo
             asyncio.run(main())
         finally:
             r.close()
+
+
+def test_a_schedule_in_redis_whose_pages_do_not_divide_the_budget_grid_is_a_store_error_not_a_failed_tick():
+    with redis_server() as rs:
+        r = redis.Redis.from_url(rs.url)
+        overrides = {
+            "redis.url": rs.url,
+            "prometheus.url": f"http://127.0.0.1:{free_port()}",
+            "prometheus.timeout_s": 0.5,
+        }
+        loop = build_loop(load_config(ControllerConfig, overrides=overrides))
+
+        async def main() -> None:
+            try:
+                await loop.tick()
+                # Written by someone else: a valid schedule, but on pages of 48 tokens the grid cannot step on.
+                r.set(mc.SCHEDULE_KEY, Schedule(budgets=(480, 960), page_size=48, version=7).to_json())
+                await loop.tick()  # raised ValueError out of the tick before
+                assert loop.store_error is not None and "page size 48" in loop.store_error
+                assert json.loads(r.get(mc.SCHEDULE_KEY))["version"] == 7  # held, not overwritten
+            finally:
+                await loop.source.aclose()
+                await loop.publisher.client.aclose()
+
+        try:
+            asyncio.run(main())
+        finally:
+            r.close()
