@@ -119,6 +119,8 @@ class VllmEngine(RolloutEngine):
             additional_config=extra,
         )
         self._engine = LLMEngine.from_engine_args(args)
+        # vLLM checks prompt ids against its tokenizer, which is not loaded here (skip_tokenizer_init).
+        self.vocab_size = self._engine.model_config.get_vocab_size()
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
         self._sequences: dict[str, _Sequence] = {}
         self._by_group: dict[str, list[str]] = {}
@@ -222,6 +224,12 @@ class VllmEngine(RolloutEngine):
             raise EngineError(
                 f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens ({s.max_new_tokens}) "
                 f"exceeds the engine's max_model_len {self.config.max_model_len}"
+            )
+        # Unchecked, one id outside the embedding fails the step of every sequence in the batch.
+        bad = next((t for t in group.prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise EngineError(
+                f"group {group.group_id}: prompt token id {bad} is outside the model's vocabulary of {self.vocab_size}"
             )
         params = SamplingParams(
             n=1,

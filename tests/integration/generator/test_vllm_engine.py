@@ -280,3 +280,24 @@ def test_policy_weights_and_adapter_load_without_restart(engine, tmp_path):
     [lora_ref_b] = _teacher_forced(lora, [b])
     assert b.versions.adapter_version == 1
     assert float((lora_ref_b - torch.tensor(b.logprobs)).abs().max()) <= 1e-4
+
+
+def _greedy(engine, gid: str):
+    [s] = _run(engine, [PromptGroup(gid, _prompt(5, 60), 1, 0, Sampling(temperature=0.0, max_new_tokens=12))])
+    return s
+
+
+def test_prompt_token_ids_outside_the_vocabulary_are_refused_at_submit(engine):
+    """vLLM checks ids against its tokenizer, which the engine does not load: unchecked, one bad id fails
+    the whole batch's step instead of its own group's submit."""
+    from services.generator.engine import EngineError
+
+    for gid, ids in (("oov", (5, 521, 7)), ("neg", (5, -1, 7))):
+        try:
+            with pytest.raises(EngineError, match="vocabulary"):
+                engine.submit(PromptGroup(gid, ids, 2, 0, Sampling(max_new_tokens=4)))
+        finally:
+            engine.abort(gid)
+    assert engine.in_flight == 0
+    [s] = _run(engine, [PromptGroup("in-vocab", (5, 520, 7), 1, 0, Sampling(max_new_tokens=4))])
+    assert len(s.token_ids) == 4
