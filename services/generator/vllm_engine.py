@@ -217,6 +217,7 @@ class VllmEngine(RolloutEngine):
 
     def submit(self, group: PromptGroup) -> None:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMValidationError
         from vllm.sampling_params import RequestOutputKind
 
         s = group.sampling
@@ -231,17 +232,20 @@ class VllmEngine(RolloutEngine):
             raise EngineError(
                 f"group {group.group_id}: prompt token id {bad} is outside the model's vocabulary of {self.vocab_size}"
             )
-        params = SamplingParams(
-            n=1,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            max_tokens=s.max_new_tokens,
-            logprobs=s.top_logprobs,
-            detokenize=False,
-            ignore_eos=self.config.ignore_eos,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        try:
+            params = SamplingParams(
+                n=1,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_new_tokens,
+                logprobs=s.top_logprobs,
+                detokenize=False,
+                ignore_eos=self.config.ignore_eos,
+                flat_logprobs=True,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except (VLLMValidationError, ValueError) as exc:  # vLLM's own refusals are no ValueError
+            raise EngineError(f"group {group.group_id}: vLLM refused its sampling settings: {exc}") from None
         now = time.time()
         keys = [f"{group.group_id}#{group.attempt}#{i}" for i in range(group.n)]
         if any(prefix + key in self._sequences for key in keys for prefix in (PROBE_PREFIX, _SEQUENCE_PREFIX)):
@@ -253,9 +257,16 @@ class VllmEngine(RolloutEngine):
             # attention layers tell probe rows by the prefix; every other id starts otherwise.
             probe = self._plan is not None and self._probe_share.take(self._plan.share)
             rid = (PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
-            self._engine.add_request(
-                rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
-            )
+            try:
+                self._engine.add_request(
+                    rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
+                )
+            except (VLLMValidationError, ValueError) as exc:
+                if ids:  # none of the group's samples stays behind
+                    self._engine.abort_request(ids)
+                    for added in ids:
+                        self._sequences.pop(added, None)
+                raise EngineError(f"group {group.group_id}: vLLM refused it: {exc}") from None
             folder = self._lora.lora_path if self._lora is not None else None
             self._sequences[rid] = _Sequence(
                 group, i, self._versions, submitted=now, probe=probe, adapter_folder=folder

@@ -301,3 +301,25 @@ def test_prompt_token_ids_outside_the_vocabulary_are_refused_at_submit(engine):
     assert engine.in_flight == 0
     [s] = _run(engine, [PromptGroup("in-vocab", (5, 520, 7), 1, 0, Sampling(max_new_tokens=4))])
     assert len(s.token_ids) == 4
+
+
+def test_groups_vllm_refuses_are_refused_as_engine_errors(engine):
+    """vLLM's own refusals (VLLMValidationError, no ValueError) leave submit as EngineError, as the contract
+    says, so that the service dead-letters the group instead of dying; nothing of the group stays behind."""
+    from services.generator.engine import EngineError
+
+    p = _prompt(3, 20)
+    bad = {
+        "empty": PromptGroup("empty", (), 2, 0, Sampling(max_new_tokens=4)),
+        "no tokens": PromptGroup("zero", p, 2, 0, Sampling(max_new_tokens=0)),
+        "top-k above max_logprobs": PromptGroup("topk", p, 2, 0, Sampling(max_new_tokens=4, top_logprobs=21)),
+    }
+    for what, group in bad.items():
+        try:
+            with pytest.raises(EngineError, match=group.group_id):
+                engine.submit(group)
+        finally:
+            engine.abort(group.group_id)
+        assert engine.in_flight == 0, what
+    [s] = _run(engine, [PromptGroup("fine", p, 1, 0, Sampling(max_new_tokens=4))])
+    assert len(s.token_ids) == 4
