@@ -221,6 +221,8 @@ class VllmEngine(RolloutEngine):
         from vllm.sampling_params import RequestOutputKind
 
         s = group.sampling
+        if group.n < 1:  # a group of no samples would never finish
+            raise EngineError(f"group {group.group_id}: n must be at least 1, got {group.n}")
         if len(group.prompt_token_ids) + s.max_new_tokens > self.config.max_model_len:
             raise EngineError(
                 f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens ({s.max_new_tokens}) "

@@ -323,3 +323,13 @@ def test_groups_vllm_refuses_are_refused_as_engine_errors(engine):
         assert engine.in_flight == 0, what
     [s] = _run(engine, [PromptGroup("fine", p, 1, 0, Sampling(max_new_tokens=4))])
     assert len(s.token_ids) == 4
+
+
+def test_a_group_of_no_samples_is_refused(engine):
+    from services.generator.engine import EngineError
+
+    try:
+        with pytest.raises(EngineError, match="n must be"):
+            engine.submit(PromptGroup("none", _prompt(3, 20), 0, 0, Sampling(max_new_tokens=4)))
+    finally:
+        engine.abort("none")
