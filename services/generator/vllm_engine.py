@@ -121,6 +121,8 @@ class VllmEngine(RolloutEngine):
         self._engine = LLMEngine.from_engine_args(args)
         # vLLM checks prompt ids against its tokenizer, which is not loaded here (skip_tokenizer_init).
         self.vocab_size = self._engine.model_config.get_vocab_size()
+        # What a new policy must look like: the checkpoint the engine started from, name by name.
+        self._layout = checkpoint_layout(Path(config.model)) if Path(config.model).is_dir() else {}
         self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
         self._sequences: dict[str, _Sequence] = {}
         self._by_group: dict[str, list[str]] = {}
@@ -180,6 +182,7 @@ class VllmEngine(RolloutEngine):
         self._plan = plan
 
     def load_policy(self, folder: Path, version: int) -> None:
+        check_policy(Path(folder), self._layout, version)
         try:
             self._rpc("sparrow_load_weights", str(folder))
         except Exception as exc:  # the worker raised: the old weights may be partly overwritten
@@ -381,6 +384,41 @@ def _max_positions(model_dir: str) -> int:
         return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
     except (OSError, ValueError):
         return 1 << 30
+
+
+def checkpoint_layout(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the .safetensors files of a checkpoint folder (headers only)."""
+    from safetensors import SafetensorError, safe_open
+
+    layout: dict[str, tuple[int, ...]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118
+                    layout[name] = tuple(st.get_slice(name).get_shape())
+        except (OSError, SafetensorError) as exc:
+            raise EngineError(f"cannot read {f}: {exc}") from None
+    return layout
+
+
+def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int) -> None:
+    """Refuses a policy checkpoint that the worker would load only partly, before it touches a weight: the
+    tensors of the serving checkpoint (`serving`, empty: unknown), each in its shape, and no others."""
+    what = f"policy v{version} in {folder}"
+    layout = checkpoint_layout(folder)
+    if not layout:
+        raise EngineError(f"{what}: no .safetensors weights")
+    if not serving:
+        return
+    if set(layout) != set(serving):
+        odd = sorted(set(layout) ^ set(serving))
+        kind = "missing" if odd[0] in serving else "unknown"
+        raise EngineError(f"{what} does not fit the serving model: tensor {odd[0]} {kind} ({len(odd)} names differ)")
+    for name, shape in layout.items():
+        if shape != serving[name]:
+            raise EngineError(
+                f"{what} does not fit the serving model: {name} is {list(shape)}, serving {list(serving[name])}"
+            )
 
 
 def check_adapter(folder: Path, max_rank: int) -> None:

@@ -333,3 +333,50 @@ def test_a_group_of_no_samples_is_refused(engine):
             engine.submit(PromptGroup("none", _prompt(3, 20), 0, 0, Sampling(max_new_tokens=4)))
     finally:
         engine.abort("none")
+
+
+def _policy(folder: Path, change) -> Path:
+    """The small model's checkpoint with `change(tensors)` applied."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    for f in SMALL.glob("*.json"):
+        shutil.copy(f, folder)
+    tensors = load_file(SMALL / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def _perturb_first_layer(tensors) -> None:
+    # Loaded before the fault further on: a load that is not refused up front overwrites them.
+    for name in tensors:
+        if ".layers.0." in name:
+            tensors[name] = tensors[name] + 0.5
+
+
+def test_a_policy_that_does_not_fit_the_model_is_refused_and_the_old_weights_keep_serving(engine, tmp_path):
+    from services.generator.engine import EngineError
+
+    def missing(t):
+        _perturb_first_layer(t)
+        for name in [n for n in t if ".layers.2." in n]:
+            del t[name]
+
+    def wrong_shape(t):
+        _perturb_first_layer(t)
+        w = t["model.layers.3.mlp.down_proj.weight"]
+        t["model.layers.3.mlp.down_proj.weight"] = torch.zeros(w.shape[0], w.shape[1] + 1)
+
+    def unknown(t):
+        _perturb_first_layer(t)
+        t["model.layers.9.mlp.down_proj.weight"] = torch.zeros(3, 3)
+
+    before, version = _greedy(engine, "before"), engine.versions.policy_version
+    for change in (missing, wrong_shape, unknown):
+        with pytest.raises(EngineError, match="does not fit"):
+            engine.load_policy(_policy(tmp_path / change.__name__, change), version + 1)
+        assert engine.versions.policy_version == version
+    after = _greedy(engine, "after")
+    assert after.token_ids == before.token_ids
+    assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
