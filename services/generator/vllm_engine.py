@@ -403,22 +403,38 @@ def checkpoint_layout(folder: Path) -> dict[str, tuple[int, ...]]:
 
 def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int) -> None:
     """Refuses a policy checkpoint that the worker would load only partly, before it touches a weight: the
-    tensors of the serving checkpoint (`serving`, empty: unknown), each in its shape, and no others."""
+    tensors of the serving checkpoint (`serving`, empty: unknown), each in its shape, and no others; and one
+    with NaN or inf values."""
     what = f"policy v{version} in {folder}"
     layout = checkpoint_layout(folder)
     if not layout:
         raise EngineError(f"{what}: no .safetensors weights")
-    if not serving:
-        return
-    if set(layout) != set(serving):
+    if serving and set(layout) != set(serving):
         odd = sorted(set(layout) ^ set(serving))
         kind = "missing" if odd[0] in serving else "unknown"
         raise EngineError(f"{what} does not fit the serving model: tensor {odd[0]} {kind} ({len(odd)} names differ)")
     for name, shape in layout.items():
-        if shape != serving[name]:
+        if serving and shape != serving[name]:
             raise EngineError(
                 f"{what} does not fit the serving model: {name} is {list(shape)}, serving {list(serving[name])}"
             )
+    _check_finite(folder, what)
+
+
+def _check_finite(folder: Path, what: str) -> None:
+    """Refuses NaN or inf weights: every logprob of the new version would be NaN, served as if it were fine."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118
+                    t = st.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise EngineError(f"{what}: tensor {name} has NaN or inf values")
+        except (OSError, SafetensorError) as exc:
+            raise EngineError(f"{what}: cannot read {f.name}: {exc}") from None
 
 
 def check_adapter(folder: Path, max_rank: int) -> None:

@@ -380,3 +380,18 @@ def test_a_policy_that_does_not_fit_the_model_is_refused_and_the_old_weights_kee
     after = _greedy(engine, "after")
     assert after.token_ids == before.token_ids
     assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
+
+
+def test_a_policy_with_nan_weights_is_refused(engine, tmp_path):
+    from services.generator.engine import EngineError
+
+    def nan(t):
+        t["model.layers.1.self_attn.q_proj.weight"][0, 0] = float("nan")
+
+    before, version = _greedy(engine, "before-nan"), engine.versions.policy_version
+    with pytest.raises(EngineError, match="NaN"):
+        engine.load_policy(_policy(tmp_path / "nan", nan), version + 1)
+    assert engine.versions.policy_version == version
+    after = _greedy(engine, "after-nan")
+    assert after.token_ids == before.token_ids
+    assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
