@@ -440,7 +440,7 @@ def _check_finite(folder: Path, what: str) -> None:
 def check_adapter(folder: Path, max_rank: int) -> None:
     """Refuses an adapter folder that vLLM would misload: config, rank, and every tensor finite."""
     import torch
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     cfg_path = folder / "adapter_config.json"
     try:
@@ -454,14 +454,17 @@ def check_adapter(folder: Path, max_rank: int) -> None:
     if not files:
         raise EngineError(f"adapter {folder}: no .safetensors weights")
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():  # noqa: SIM118
-                t = st.get_tensor(name)
-                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                    raise EngineError(f"adapter {folder}: tensor {name} has NaN or inf values")
-                if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
-                    shape = tuple(t.shape)
-                    raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():  # noqa: SIM118
+                    t = st.get_tensor(name)
+                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                        raise EngineError(f"adapter {folder}: tensor {name} has NaN or inf values")
+                    if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
+                        shape = tuple(t.shape)
+                        raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
+        except (OSError, SafetensorError) as exc:  # a damaged file
+            raise EngineError(f"adapter {folder}: cannot read {f.name}: {exc}") from None
     if not math.isfinite(float(cfg.get("lora_alpha", rank))):
         raise EngineError(f"adapter {folder}: lora_alpha is not finite")
 

@@ -395,3 +395,24 @@ def test_a_policy_with_nan_weights_is_refused(engine, tmp_path):
     after = _greedy(engine, "after-nan")
     assert after.token_ids == before.token_ids
     assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)
+
+
+def _lora(model, folder: Path) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    get_peft_model(model, cfg).save_pretrained(folder)
+    return folder
+
+
+def test_a_damaged_adapter_is_refused(engine, tmp_path):
+    from services.generator.engine import EngineError
+    from trainer.model_io import load_model
+
+    damaged = _lora(load_model(SMALL), tmp_path / "damaged")
+    f = next(damaged.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[:100])
+    version = engine.versions.adapter_version
+    with pytest.raises(EngineError, match="cannot read"):
+        engine.load_adapter(damaged, version + 1)
+    assert engine.versions.adapter_version == version
