@@ -196,7 +196,7 @@ class VllmEngine(RolloutEngine):
             raise EngineError("this engine was started without LoRA support (enable_lora = false)")
         from vllm.lora.request import LoRARequest
 
-        check_adapter(Path(folder), self.config.max_lora_rank)
+        check_adapter(Path(folder), self.config.max_lora_rank, self._layout)
         # A fresh LoRA id per load, not the version: vLLM skips an add_lora whose id it already holds,
         # so a version number reused (a new trainer run) would keep serving the old weights.
         self._lora_loads += 1
@@ -437,8 +437,9 @@ def _check_finite(folder: Path, what: str) -> None:
             raise EngineError(f"{what}: cannot read {f.name}: {exc}") from None
 
 
-def check_adapter(folder: Path, max_rank: int) -> None:
-    """Refuses an adapter folder that vLLM would misload: config, rank, and every tensor finite."""
+def check_adapter(folder: Path, max_rank: int, base: dict[str, tuple[int, ...]] | None = None) -> None:
+    """Refuses an adapter folder that vLLM would misload: config, rank, every tensor finite, and each A/B pair
+    in the shape of the layer it adapts in `base` (the serving checkpoint's layout; None: unknown)."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -463,10 +464,24 @@ def check_adapter(folder: Path, max_rank: int) -> None:
                     if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
                         shape = tuple(t.shape)
                         raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
+                    _check_adapted_layer(folder, name, tuple(t.shape), base or {})
         except (OSError, SafetensorError) as exc:  # a damaged file
             raise EngineError(f"adapter {folder}: cannot read {f.name}: {exc}") from None
     if not math.isfinite(float(cfg.get("lora_alpha", rank))):
         raise EngineError(f"adapter {folder}: lora_alpha is not finite")
+
+
+def _check_adapted_layer(folder: Path, name: str, shape: tuple[int, ...], base: dict[str, tuple[int, ...]]) -> None:
+    # vLLM copies A and B into buffers sized for the serving model, into their top-left corner: an
+    # adapter for a narrower model would load and adapt only part of each layer.
+    for part, dim, side in ((".lora_A.weight", 1, "in"), (".lora_B.weight", 0, "out")):
+        if name.endswith(part):
+            layer = name.removesuffix(part).removeprefix("base_model.model.") + ".weight"
+            if layer in base and shape[dim] != base[layer][dim]:
+                raise EngineError(
+                    f"adapter {folder}: tensor {name} shape {shape} does not fit the model's {layer} "
+                    f"{list(base[layer])} ({side} features {base[layer][dim]})"
+                )
 
 
 def _check_static_decode(config: VllmEngineConfig) -> None:

@@ -416,3 +416,27 @@ def test_a_damaged_adapter_is_refused(engine, tmp_path):
     with pytest.raises(EngineError, match="cannot read"):
         engine.load_adapter(damaged, version + 1)
     assert engine.versions.adapter_version == version
+
+
+def test_an_adapter_for_another_model_is_refused(engine, tmp_path):
+    """Half the small model's width: vLLM would copy its A matrices into the first half of its own and
+    serve the result."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from services.generator.engine import EngineError
+
+    narrow = Qwen3Config(
+        vocab_size=521,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+    )
+    other = _lora(Qwen3ForCausalLM(narrow), tmp_path / "other")
+    version = engine.versions.adapter_version
+    with pytest.raises(EngineError, match="shape"):
+        engine.load_adapter(other, version + 1)
+    assert engine.versions.adapter_version == version
