@@ -13,7 +13,6 @@ token's raw logprob first, then the top-k in rank order.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from services.generator.engine import (
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import PROBE_PREFIX
+from services.generator.weight_checks import check_adapter, check_policy, checkpoint_layout
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
@@ -384,104 +384,6 @@ def _max_positions(model_dir: str) -> int:
         return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
     except (OSError, ValueError):
         return 1 << 30
-
-
-def checkpoint_layout(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in the .safetensors files of a checkpoint folder (headers only)."""
-    from safetensors import SafetensorError, safe_open
-
-    layout: dict[str, tuple[int, ...]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
-                    layout[name] = tuple(st.get_slice(name).get_shape())
-        except (OSError, SafetensorError) as exc:
-            raise EngineError(f"cannot read {f}: {exc}") from None
-    return layout
-
-
-def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int) -> None:
-    """Refuses a policy checkpoint that the worker would load only partly, before it touches a weight: the
-    tensors of the serving checkpoint (`serving`, empty: unknown), each in its shape, and no others; and one
-    with NaN or inf values."""
-    what = f"policy v{version} in {folder}"
-    layout = checkpoint_layout(folder)
-    if not layout:
-        raise EngineError(f"{what}: no .safetensors weights")
-    if serving and set(layout) != set(serving):
-        odd = sorted(set(layout) ^ set(serving))
-        kind = "missing" if odd[0] in serving else "unknown"
-        raise EngineError(f"{what} does not fit the serving model: tensor {odd[0]} {kind} ({len(odd)} names differ)")
-    for name, shape in layout.items():
-        if serving and shape != serving[name]:
-            raise EngineError(
-                f"{what} does not fit the serving model: {name} is {list(shape)}, serving {list(serving[name])}"
-            )
-    _check_finite(folder, what)
-
-
-def _check_finite(folder: Path, what: str) -> None:
-    """Refuses NaN or inf weights: every logprob of the new version would be NaN, served as if it were fine."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
-                    t = st.get_tensor(name)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise EngineError(f"{what}: tensor {name} has NaN or inf values")
-        except (OSError, SafetensorError) as exc:
-            raise EngineError(f"{what}: cannot read {f.name}: {exc}") from None
-
-
-def check_adapter(folder: Path, max_rank: int, base: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Refuses an adapter folder that vLLM would misload: config, rank, every tensor finite, and each A/B pair
-    in the shape of the layer it adapts in `base` (the serving checkpoint's layout; None: unknown)."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    cfg_path = folder / "adapter_config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise EngineError(f"adapter {folder}: cannot read adapter_config.json: {exc}") from None
-    rank = cfg.get("r")
-    if not isinstance(rank, int) or not 1 <= rank <= max_rank:
-        raise EngineError(f"adapter {folder}: rank {rank!r} is not in [1, {max_rank}] (the engine's max_lora_rank)")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"adapter {folder}: no .safetensors weights")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
-                    t = st.get_tensor(name)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise EngineError(f"adapter {folder}: tensor {name} has NaN or inf values")
-                    if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
-                        shape = tuple(t.shape)
-                        raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
-                    _check_adapted_layer(folder, name, tuple(t.shape), base or {})
-        except (OSError, SafetensorError) as exc:  # a damaged file
-            raise EngineError(f"adapter {folder}: cannot read {f.name}: {exc}") from None
-    if not math.isfinite(float(cfg.get("lora_alpha", rank))):
-        raise EngineError(f"adapter {folder}: lora_alpha is not finite")
-
-
-def _check_adapted_layer(folder: Path, name: str, shape: tuple[int, ...], base: dict[str, tuple[int, ...]]) -> None:
-    # vLLM copies A and B into buffers sized for the serving model, into their top-left corner: an
-    # adapter for a narrower model would load and adapt only part of each layer.
-    for part, dim, side in ((".lora_A.weight", 1, "in"), (".lora_B.weight", 0, "out")):
-        if name.endswith(part):
-            layer = name.removesuffix(part).removeprefix("base_model.model.") + ".weight"
-            if layer in base and shape[dim] != base[layer][dim]:
-                raise EngineError(
-                    f"adapter {folder}: tensor {name} shape {shape} does not fit the model's {layer} "
-                    f"{list(base[layer])} ({side} features {base[layer][dim]})"
-                )
 
 
 def _check_static_decode(config: VllmEngineConfig) -> None:

@@ -47,7 +47,7 @@ def test_adapter_check_refuses_bad_rank_nan_and_shape(tmp_path):
     from safetensors.torch import save_file
 
     from services.generator.engine import EngineError
-    from services.generator.vllm_engine import check_adapter
+    from services.generator.weight_checks import check_adapter
 
     def adapter(name, rank, a, b):
         d = tmp_path / name
