@@ -23,72 +23,66 @@ from tests.servers import free_port, redis_server
 HELD = [512, 1024, 2048, 4096]
 
 
+def _blind_loop(redis_url: str):
+    overrides = {
+        "redis.url": redis_url,
+        "prometheus.url": f"http://127.0.0.1:{free_port()}",  # nothing listens there
+        "prometheus.timeout_s": 0.5,
+    }
+    return build_loop(load_config(ControllerConfig, overrides=overrides))
+
+
+def _run(loop, body) -> None:
+    async def main() -> None:
+        try:
+            await body()
+        finally:
+            await loop.source.aclose()
+            await loop.publisher.client.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_schedule_redis_lost_or_holds_older_comes_back_above_the_version_in_force():
-    with redis_server() as rs:
-        r = redis.Redis.from_url(rs.url)
-        overrides = {
-            "redis.url": rs.url,
-            "prometheus.url": f"http://127.0.0.1:{free_port()}",  # nothing listens there
-            "prometheus.timeout_s": 0.5,
-        }
-        loop = build_loop(load_config(ControllerConfig, overrides=overrides))
+    with redis_server() as rs, redis.Redis.from_url(rs.url) as r:
+        loop = _blind_loop(rs.url)
 
         def stored() -> dict:
             return json.loads(r.get(mc.SCHEDULE_KEY))
 
-        async def main() -> None:
-            try:
-                await loop.tick()  # publishes the initial schedule: v1
-                for _ in range(3):
-                    await loop.override({"budgets": HELD}, "ops", pause=False)
-                assert stored()["version"] == 4
+        async def body() -> None:
+            await loop.tick()  # publishes the initial schedule: v1
+            for _ in range(3):
+                await loop.override({"budgets": HELD}, "ops", pause=False)
+            assert stored()["version"] == 4
 
-                r.flushdb()
-                await loop.tick()
-                assert stored()["version"] == 5 and stored()["budgets"] == HELD
-                assert loop.schedule.version == 5 and loop.store_error is None
-                entry = json.loads(r.lindex(mc.SCHEDULE_HISTORY_KEY, -1))
-                assert entry["source"] == "restore" and entry["version"] == 5
+            r.flushdb()
+            await loop.tick()
+            assert stored()["version"] == 5 and stored()["budgets"] == HELD
+            assert loop.schedule.version == 5 and loop.store_error is None
+            entry = json.loads(r.lindex(mc.SCHEDULE_HISTORY_KEY, -1))
+            assert entry["source"] == "restore" and entry["version"] == 5
 
-                # An older version over the current one (a replica that missed the last writes), history lost too.
-                r.delete(mc.SCHEDULE_HISTORY_KEY)
-                r.set(mc.SCHEDULE_KEY, Schedule(budgets=(512, 512, 512, 512), version=2).to_json())
-                await loop.tick()
-                assert stored()["version"] == 6 and stored()["budgets"] == HELD
-                assert loop.schedule.version == 6 and list(loop.schedule.budgets) == HELD
-            finally:
-                await loop.source.aclose()
-                await loop.publisher.client.aclose()
+            # An older version over the current one (a replica that missed the last writes), history lost too.
+            r.delete(mc.SCHEDULE_HISTORY_KEY)
+            r.set(mc.SCHEDULE_KEY, Schedule(budgets=(512, 512, 512, 512), version=2).to_json())
+            await loop.tick()
+            assert stored()["version"] == 6 and stored()["budgets"] == HELD
+            assert loop.schedule.version == 6 and list(loop.schedule.budgets) == HELD
 
-        try:
-            asyncio.run(main())
-        finally:
-            r.close()
+        _run(loop, body)
 
 
 def test_a_schedule_in_redis_whose_pages_do_not_divide_the_budget_grid_is_a_store_error_not_a_failed_tick():
-    with redis_server() as rs:
-        r = redis.Redis.from_url(rs.url)
-        overrides = {
-            "redis.url": rs.url,
-            "prometheus.url": f"http://127.0.0.1:{free_port()}",
-            "prometheus.timeout_s": 0.5,
-        }
-        loop = build_loop(load_config(ControllerConfig, overrides=overrides))
+    with redis_server() as rs, redis.Redis.from_url(rs.url) as r:
+        loop = _blind_loop(rs.url)
 
-        async def main() -> None:
-            try:
-                await loop.tick()
-                # Written by someone else: a valid schedule, but on pages of 48 tokens the grid cannot step on.
-                r.set(mc.SCHEDULE_KEY, Schedule(budgets=(480, 960), page_size=48, version=7).to_json())
-                await loop.tick()  # raised ValueError out of the tick before
-                assert loop.store_error is not None and "page size 48" in loop.store_error
-                assert json.loads(r.get(mc.SCHEDULE_KEY))["version"] == 7  # held, not overwritten
-            finally:
-                await loop.source.aclose()
-                await loop.publisher.client.aclose()
+        async def body() -> None:
+            await loop.tick()
+            # Written by someone else: a valid schedule, but on pages of 48 tokens the grid cannot step on.
+            r.set(mc.SCHEDULE_KEY, Schedule(budgets=(480, 960), page_size=48, version=7).to_json())
+            await loop.tick()  # raised ValueError out of the tick before
+            assert loop.store_error is not None and "page size 48" in loop.store_error
+            assert json.loads(r.get(mc.SCHEDULE_KEY))["version"] == 7  # held, not overwritten
 
-        try:
-            asyncio.run(main())
-        finally:
-            r.close()
+        _run(loop, body)
