@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from services.generator.engine import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def checkpoint_layout(folder: Path) -> dict[str, tuple[int, ...]]:
@@ -52,26 +57,33 @@ def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int
 
 def _check_finite(folder: Path, what: str) -> None:
     """Refuses NaN or inf weights: every logprob of the new version would be NaN, served as if it were fine."""
-    import torch
+    for name, t in _tensors(folder, what):
+        _require_finite(name, t, what)
+
+
+def _tensors(folder: Path, what: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every .safetensors file in `folder`; a damaged file is EngineError naming it."""
     from safetensors import SafetensorError, safe_open
 
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118
-                    t = st.get_tensor(name)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise EngineError(f"{what}: tensor {name} has NaN or inf values")
+                    yield name, st.get_tensor(name)
         except (OSError, SafetensorError) as exc:
             raise EngineError(f"{what}: cannot read {f.name}: {exc}") from None
+
+
+def _require_finite(name: str, t: torch.Tensor, what: str) -> None:
+    import torch
+
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        raise EngineError(f"{what}: tensor {name} has NaN or inf values")
 
 
 def check_adapter(folder: Path, max_rank: int, base: dict[str, tuple[int, ...]] | None = None) -> None:
     """Refuses an adapter folder that vLLM would misload: config, rank, every tensor finite, and each A/B pair
     in the shape of the layer it adapts in `base` (the serving checkpoint's layout; None: unknown)."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
     cfg_path = folder / "adapter_config.json"
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -80,22 +92,13 @@ def check_adapter(folder: Path, max_rank: int, base: dict[str, tuple[int, ...]] 
     rank = cfg.get("r")
     if not isinstance(rank, int) or not 1 <= rank <= max_rank:
         raise EngineError(f"adapter {folder}: rank {rank!r} is not in [1, {max_rank}] (the engine's max_lora_rank)")
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    if not any(folder.glob("*.safetensors")):
         raise EngineError(f"adapter {folder}: no .safetensors weights")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
-                    t = st.get_tensor(name)
-                    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                        raise EngineError(f"adapter {folder}: tensor {name} has NaN or inf values")
-                    if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
-                        shape = tuple(t.shape)
-                        raise EngineError(f"adapter {folder}: tensor {name} shape {shape} does not match rank {rank}")
-                    _check_adapted_layer(folder, name, tuple(t.shape), base or {})
-        except (OSError, SafetensorError) as exc:  # a damaged file
-            raise EngineError(f"adapter {folder}: cannot read {f.name}: {exc}") from None
+    for name, t in _tensors(folder, f"adapter {folder}"):
+        _require_finite(name, t, f"adapter {folder}")
+        if "lora_A" in name and t.shape[0] != rank or "lora_B" in name and t.shape[-1] != rank:
+            raise EngineError(f"adapter {folder}: tensor {name} shape {tuple(t.shape)} does not match rank {rank}")
+        _check_adapted_layer(folder, name, tuple(t.shape), base or {})
     if not math.isfinite(float(cfg.get("lora_alpha", rank))):
         raise EngineError(f"adapter {folder}: lora_alpha is not finite")
 
