@@ -100,3 +100,23 @@ def test_chart_ships_the_same_dashboards():
     (config_map,) = [m for m in maps if m["metadata"]["name"].endswith("-dashboards")]
     assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert {k: json.loads(v) for k, v in config_map["data"].items()} == {k: json.loads(v) for k, v in originals.items()}
+
+
+def test_chart_dashboards_follow_the_release_tau():
+    # The controller and the alerts use the release's tau; the dashboards' tau line, "bins below tau"
+    # and the p5 panel's threshold must too, or they contradict the alerts.
+    maps = find(objects({"tau": 0.9, "monitoring": {"dashboards": {"enabled": True}}}), "ConfigMap")
+    (config_map,) = [m for m in maps if m["metadata"]["name"].endswith("-dashboards")]
+    got = {k: json.loads(v) for k, v in config_map["data"].items()}
+    want = dashboards()
+    board = want["sparrow-acceptance.json"]
+    (tau,) = [v for v in board["templating"]["list"] if v["name"] == "tau"]
+    default = float(tau["query"])
+    tau.update(query="0.9", current={"text": "0.9", "value": "0.9"})
+    moved = 0
+    for panel in panels(board):
+        for step in panel.get("fieldConfig", {}).get("defaults", {}).get("thresholds", {}).get("steps", []):
+            if step["value"] == default:
+                step["value"], moved = 0.9, moved + 1
+    assert moved >= 1
+    assert got == want
