@@ -7,14 +7,19 @@ image's reduced dependency set is enough to start the controller.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shlex
 import subprocess
 import sys
 import tomllib
 
 import pytest
 
+from sparrow.config import load_config
 from tests.unit.deploy.chart_render import REPO, container, objects
+from tests.unit.deploy.test_env_contract import config_class
 
 COMPONENTS = ("generator", "trainer", "controller")
 # Distribution -> the module it installs, for the dependencies the controller image leaves out.
@@ -77,6 +82,45 @@ def test_ports_and_command_match_the_chart(component):
     assert chart["args"][0] == component
     compose_image = chart["image"]
     assert compose_image.startswith(f"sparrow-cluster/{component}:")
+
+
+def image_env(component: str) -> dict[str, str]:
+    """The SPARROW_* variables the image itself sets (its last stage's ENV lines)."""
+    env = {}
+    for word, rest in stages(component)[-1]:
+        if word == "ENV":
+            env.update(pair.split("=", 1) for pair in shlex.split(rest))
+    return {k: v for k, v in env.items() if k.startswith("SPARROW_")}
+
+
+def listening(component: str, config) -> list[tuple[str, int]]:
+    """(host, port) of every server the service starts."""
+    if component == "generator":
+        return [(config.control.host, config.control.port), (config.metrics.host, config.metrics.port)]
+    if component == "trainer":
+        host, port = config.grpc.address.rsplit(":", 1)
+        return [(host, int(port)), (config.metrics.host, config.metrics.port)]
+    return [(config.api.host, config.api.port)]
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_the_image_alone_listens_where_it_exposes_and_health_checks(component, monkeypatch):
+    # `docker run` of an image without the chart's or compose's environment: the service must listen
+    # on the EXPOSEd ports, on every interface, and the HEALTHCHECK must probe those ports.
+    for name in [n for n in os.environ if n.startswith("SPARROW_")]:
+        monkeypatch.delenv(name)
+    env = image_env(component)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    listens = listening(component, load_config(config_class(component)))
+    exposed = {int(p) for p in dict(stages(component)[-1])["EXPOSE"].split()}
+    assert {port for _, port in listens} == exposed, f"{component} image listens on {listens}"
+    assert all(host == "0.0.0.0" for host, _ in listens), f"{component} image listens on {listens}"
+    spec = importlib.util.spec_from_file_location("healthcheck", REPO / "docker/healthcheck.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    service_var, service_default, metrics_var, metrics_default = check.PORTS[component]
+    assert {check.port(service_var, service_default), check.port(metrics_var, metrics_default)} <= exposed
 
 
 @pytest.mark.parametrize("component", COMPONENTS)
