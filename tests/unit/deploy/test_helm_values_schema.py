@@ -43,6 +43,12 @@ TEMPLATE_CASES = [
     ),
     ({"redis": {"enabled": False}}, "redis.external.host is required"),
     ({"security": {"tls": {"enabled": True}}}, "security.tls.cert (PEM) is required"),
+    # The controller refuses tau + margin >= 1 (its target): the schema's tau < 1 is not enough.
+    ({"tau": 0.98}, "tau 0.98 + the controller's retune.margin 0.02 must be below 1"),
+    (
+        {"tau": 0.95, "controller": {"config": {"retune": {"margin": 0.05}}}},
+        "tau 0.95 + the controller's retune.margin 0.05 must be below 1",
+    ),
 ]
 
 
@@ -69,3 +75,15 @@ def test_templates_refuse_impossible_combinations(values, message):
     with pytest.raises(helm.HelmRenderError) as refused:
         render(values)
     assert message in str(refused.value)
+
+
+def test_a_tau_the_chart_takes_is_one_the_controller_takes(monkeypatch):
+    from services.controller.config import ControllerConfig, RetuneConfig
+    from sparrow.config import load_config
+
+    # The chart assumes the controller's default margin when controller.config sets none.
+    assert RetuneConfig.model_fields["margin"].default == 0.02
+    for tau in (0.97, 0.86):
+        render({"tau": tau})
+        monkeypatch.setenv("SPARROW_RETUNE__TAU", str(tau))
+        assert load_config(ControllerConfig).retune.tau == tau
