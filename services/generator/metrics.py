@@ -50,6 +50,11 @@ class GeneratorMetrics:
         self.queue_lag = Gauge(
             "sparrow_generator_queue_lag_entries", "Stream entries not yet delivered to any generator.", registry=r
         )
+        self.queue_pending = Gauge(
+            "sparrow_generator_queue_pending_entries",
+            "Stream entries delivered to a generator and not yet acked (in flight, or a dead one's until reclaimed).",
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "sparrow_generator_queue_wait_seconds",
             "Age of a stream entry when this generator claimed it.",

@@ -380,9 +380,11 @@ class GeneratorService:
             self._settle_all()
             if now >= self._next_lag:
                 self._next_lag = now + 2.0
-                lag = self.work.lag()
-                if lag is not None:
-                    self.metrics.queue_lag.set(lag)
+                backlog = self.work.backlog()
+                if backlog is not None:
+                    if backlog.lag is not None:
+                        self.metrics.queue_lag.set(backlog.lag)
+                    self.metrics.queue_pending.set(backlog.pending)
             self._redis_backoff.reset()
         except redis.RedisError as exc:
             self._redis_failed(exc)

@@ -238,13 +238,35 @@ class WorkQueue:
             self.client.xclaim(self.config.stream, self.config.group, self.consumer, 0, mine, justid=True)
         return set(entry_ids) - ours
 
-    def lag(self) -> int | None:
-        """Entries of the stream not yet delivered to any generator (XINFO GROUPS lag); None when unknown."""
-        for info in self.client.xinfo_groups(self.config.stream):
-            if _text(info["name"]) == self.config.group:
-                lag = info.get("lag")
-                return int(lag) if lag is not None else None
+    def backlog(self) -> Backlog | None:
+        """The consumer group's lag and pending entries; None when the group does not exist (yet)."""
+        return consumer_group_backlog(self.client, self.config.stream, self.config.group)
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Where the stream's work stands for one consumer group (XINFO GROUPS)."""
+
+    lag: int | None  # entries not yet delivered to any consumer; None before Redis 7
+    pending: int  # delivered and not acked: in flight, or left by a dead consumer until reclaimed
+
+    @property
+    def outstanding(self) -> int:
+        """Groups waiting or in progress: what the generators together must hold to keep up."""
+        return (self.lag or 0) + self.pending
+
+
+def consumer_group_backlog(client: redis.Redis, stream: str, group: str) -> Backlog | None:
+    """`group`'s Backlog on `stream`; None when the stream or the group does not exist."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except redis.ResponseError:  # no such stream yet
         return None
+    for info in groups:
+        if _text(info["name"]) == group:
+            lag = info.get("lag")
+            return Backlog(lag=None if lag is None else int(lag), pending=int(info.get("pending", 0)))
+    return None
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -2,5 +2,6 @@
 
 Each replica runs one whole generator (the same `services.generator.main.Generator` that
 `sparrow generator` runs) consuming the shared prompt stream; the number of replicas follows the
-stream's consumer-group lag through `autoscale.QueueLagPolicy`. Config: deploy/ray/serve_app.yaml.
+stream's outstanding groups (lag + pending) through `autoscale.OutstandingGroupsPolicy`.
+Config: deploy/ray/serve_app.yaml.
 """

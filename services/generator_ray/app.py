@@ -17,7 +17,8 @@ from typing import Any
 
 from ray import serve
 
-from services.generator_ray.autoscale import LAG_METRIC, consumer_group_lag
+from services.generator.work_queue import consumer_group_backlog
+from services.generator_ray.autoscale import OUTSTANDING_METRIC
 
 log = logging.getLogger("sparrow.generator_ray")
 
@@ -72,9 +73,10 @@ class GeneratorReplica:
             raise RuntimeError(f"generator {self.config.generator_id}: the engine loop has stopped")
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """The stream's lag, for QueueLagPolicy."""
+        """The stream's outstanding groups (lag + pending), for OutstandingGroupsPolicy."""
         q = self.config.queue
-        return {LAG_METRIC: float(consumer_group_lag(self._redis, q.stream, q.group))}
+        backlog = consumer_group_backlog(self._redis, q.stream, q.group)
+        return {OUTSTANDING_METRIC: float(backlog.outstanding if backlog is not None else 0)}
 
     def __del__(self) -> None:
         # Ray Serve calls this on graceful shutdown: drain (finish or hand back groups), then free the engine.

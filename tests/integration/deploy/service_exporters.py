@@ -83,6 +83,7 @@ class GeneratorExporter:
         for b in BINS:
             m.record_tokens(int(b) * BIN_WIDTH + 1500, [SCHEDULE.budgets[int(b)]] * 40)
         m.queue_lag.set(12)
+        m.queue_pending.set(8)
         m.queue_wait.observe(0.3)
         m.in_flight.set(8)
         m.show_versions(policy=step, adapter=1)

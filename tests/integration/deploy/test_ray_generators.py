@@ -105,6 +105,6 @@ def test_two_replicas_run_generators_that_share_the_queue(local_ray, tmp_path):
         consumers = {c["name"].decode() for c in client.xinfo_consumers(stream, GENERATOR_GROUP)}
         assert consumers == set(statuses)
 
-        # The autoscaling metric: nothing is waiting now.
-        assert handle.record_autoscaling_stats.remote().result() == {"queue_lag_entries": 0.0}
+        # The autoscaling metric: nothing is waiting or in flight now.
+        assert handle.record_autoscaling_stats.remote().result() == {"queue_outstanding_entries": 0.0}
         client.close()

@@ -9,7 +9,7 @@ import redis
 
 from services.generator.config import QueueConfig
 from services.generator.metrics import GeneratorMetrics
-from services.generator.work_queue import DEAD_LETTERED, RETRIED, WorkQueue
+from services.generator.work_queue import DEAD_LETTERED, RETRIED, Backlog, WorkQueue
 from sparrow.work import PromptGroup
 from tests.servers import redis_server
 
@@ -62,7 +62,7 @@ def test_entries_enqueued_before_the_group_exists_are_claimed_in_order_and_acked
     first = q.claim(2)
     assert [c.group.group_id for c in first] == ["g0", "g1"]
     assert all(not c.reclaimed and c.deliveries == 1 for c in first)
-    assert q.lag() == 1 and _pending(client, config) == 2
+    assert q.backlog() == Backlog(lag=1, pending=2) and q.backlog().outstanding == 3 and _pending(client, config) == 2
     assert q.metrics.queue_wait._sum.get() >= 0
     q.ack(first[0].entry_id)
     assert _pending(client, config) == 1 and _count(q, "done") == 1

@@ -33,6 +33,7 @@ GENERATOR_METRICS = (
     "sparrow_generator_context_kv_tokens_total",
     "sparrow_generator_kv_budget_tokens",
     "sparrow_generator_queue_lag_entries",
+    "sparrow_generator_queue_pending_entries",
     "sparrow_generator_queue_wait_seconds",
     "sparrow_generator_in_flight_sequences",
     "sparrow_generator_policy_version",

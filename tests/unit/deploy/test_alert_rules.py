@@ -23,7 +23,7 @@ ALERTS = {
     "SparrowGeneratorTargetDown",
     "SparrowTrainerDown",
     "SparrowTrainerStalled",
-    "SparrowQueueLagGrowing",
+    "SparrowQueueBacklog",
 }
 
 
@@ -99,7 +99,7 @@ def test_chart_rules_follow_the_release_values(tmp_path):
     assert "below tau 0.9" in tail["annotations"]["summary"]
     stalled = by_name["SparrowTrainerStalled"]["expr"]
     assert "> 0) > 600" in stalled and "offset 600s) + 600 == 600" in stalled and "1800" not in stalled
-    assert "> 7" in by_name["SparrowQueueLagGrowing"]["expr"]
+    assert "> 7" in by_name["SparrowQueueBacklog"]["expr"]
     rendered = tmp_path / "rendered.rules.yml"
     rendered.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
     done = promtool("check", "rules", str(rendered))

@@ -230,13 +230,23 @@ def test_generator_replicas_are_left_to_the_autoscaler():
         assert "replicas" not in scaled["spec"]
     (hpa,) = find(objects(ALL_ON_HPA), "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["name"] == plain["metadata"]["name"]
-    assert hpa["spec"]["metrics"][0]["external"]["metric"]["name"] == "sparrow_generator_queue_lag_entries"
+    external = hpa["spec"]["metrics"][0]["external"]
+    assert external["metric"]["name"] == "sparrow_generator_queue_outstanding_entries"
+    assert external["target"] == {"type": "AverageValue", "averageValue": "8"}
     (scaled_object,) = find(objects(ALL_ON_KEDA), "ScaledObject")
     assert scaled_object["spec"]["scaleTargetRef"]["name"] == plain["metadata"]["name"]
-    (trigger,) = scaled_object["spec"]["triggers"]
-    assert trigger["type"] == "redis-streams"
-    assert trigger["metadata"]["stream"] == "sparrow:prompts" and trigger["metadata"]["consumerGroup"] == "generators"
-    assert trigger["metadata"]["host"] == f"{RELEASE}-sparrow-redis"
+    # Lag alone is 0 whenever the generators keep up: the replicas follow lag + pending, by KEDA's formula
+    # over the two triggers named in it.
+    modifiers = scaled_object["spec"]["advanced"]["scalingModifiers"]
+    assert modifiers["formula"] == "lag + pending" and modifiers["target"] == "8"
+    lag, pending = scaled_object["spec"]["triggers"]
+    assert (lag["name"], pending["name"]) == ("lag", "pending")
+    assert "lagCount" in lag["metadata"] and "pendingEntriesCount" in pending["metadata"]
+    for trigger in (lag, pending):
+        assert trigger["type"] == "redis-streams"
+        assert trigger["metadata"]["stream"] == "sparrow:prompts"
+        assert trigger["metadata"]["consumerGroup"] == "generators"
+        assert trigger["metadata"]["host"] == f"{RELEASE}-sparrow-redis"
 
 
 def test_services_and_monitors_select_what_exists():

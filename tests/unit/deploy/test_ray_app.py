@@ -11,7 +11,8 @@ import pytest
 import redis
 import yaml
 
-from services.generator_ray.autoscale import LAG_METRIC, QueueLagPolicy, consumer_group_lag
+from services.generator.work_queue import Backlog, consumer_group_backlog
+from services.generator_ray.autoscale import OUTSTANDING_METRIC, OutstandingGroupsPolicy
 from tests.servers import redis_server
 from tests.unit.deploy.chart_render import REPO
 
@@ -37,8 +38,8 @@ def test_serve_app_config_is_valid_for_ray_serve():
     assert deployment.name == GeneratorReplica.name
     autoscaling = AutoscalingConfig(**deployment.autoscaling_config)
     assert autoscaling.min_replicas >= 1  # the lag is reported by replicas: never scale to zero
-    assert resolve(autoscaling.policy.policy_function) is QueueLagPolicy
-    QueueLagPolicy(**autoscaling.policy.policy_kwargs)
+    assert resolve(autoscaling.policy.policy_function) is OutstandingGroupsPolicy
+    OutstandingGroupsPolicy(**autoscaling.policy.policy_kwargs)
     assert deployment.ray_actor_options.num_gpus == 1
 
 
@@ -70,30 +71,34 @@ def test_each_replica_gets_its_own_id_and_free_ports_unless_pinned():
 
 
 def context(reported: dict[str, float] | None, target: int = 2) -> SimpleNamespace:
-    metrics = None if reported is None else {LAG_METRIC: reported}
+    metrics = None if reported is None else {OUTSTANDING_METRIC: reported}
     return SimpleNamespace(aggregated_metrics=metrics, target_num_replicas=target)
 
 
-def test_policy_asks_for_lag_over_target_replicas():
-    policy = QueueLagPolicy(target_lag_per_replica=32)
-    assert policy(context({"r1": 100.0, "r2": 90.0}))[0] == 4  # ceil(100 / 32)
-    assert policy(context({"r1": 64.0}))[0] == 2
+def test_policy_asks_for_outstanding_groups_over_target_replicas():
+    policy = OutstandingGroupsPolicy(target_groups_per_replica=8)
+    assert policy(context({"r1": 16.0, "r2": 15.0}))[0] == 2  # the trainer's 16 outstanding groups at defaults
+    assert policy(context({"r1": 33.0}))[0] == 5  # ceil(33 / 8)
     assert policy(context({"r1": 0.0}))[0] == 1  # never asks for zero: Ray applies min_replicas
     assert policy(context(None, target=3))[0] == 3  # nothing reported yet: hold
     assert policy(context({}, target=5))[0] == 5
     with pytest.raises(ValueError):
-        QueueLagPolicy(target_lag_per_replica=0)
+        OutstandingGroupsPolicy(target_groups_per_replica=0)
 
 
-def test_lag_is_read_from_the_consumer_group():
+def test_the_backlog_is_read_from_the_consumer_group():
+    # Lag alone is 0 whenever the generators keep up; lag + pending is the work they hold or await.
     with redis_server() as server:
         client = redis.Redis.from_url(server.url)
-        assert consumer_group_lag(client, "prompts", "generators") == 0  # no stream yet
+        assert consumer_group_backlog(client, "prompts", "generators") is None  # no stream yet
         client.xgroup_create("prompts", "generators", id="0", mkstream=True)
         for i in range(5):
             client.xadd("prompts", {"group": str(i)})
-        assert consumer_group_lag(client, "prompts", "generators") == 5
+        assert consumer_group_backlog(client, "prompts", "generators") == Backlog(lag=5, pending=0)
         client.xreadgroup("generators", "g1", {"prompts": ">"}, count=2)
-        assert consumer_group_lag(client, "prompts", "generators") == 3
-        assert consumer_group_lag(client, "prompts", "other-group") == 0
+        backlog = consumer_group_backlog(client, "prompts", "generators")
+        assert backlog == Backlog(lag=3, pending=2) and backlog.outstanding == 5
+        client.xack("prompts", "generators", *[e for e, _ in client.xrange("prompts", count=1)])
+        assert consumer_group_backlog(client, "prompts", "generators").outstanding == 4
+        assert consumer_group_backlog(client, "prompts", "other-group") is None
         client.close()
