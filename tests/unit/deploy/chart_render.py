@@ -13,14 +13,14 @@ CHART = REPO / "helm/sparrow"
 RELEASE = "demo"
 NAMESPACE = "rl"
 
-# Every optional feature on. HPA and KEDA exclude each other (KEDA runs its own HPA), so "all on" is
-# two value sets, one per autoscaler.
+# Every optional feature on. HPA and KEDA exclude each other (KEDA runs its own HPA), and so do the
+# ServiceMonitor and the PodMonitor (each would scrape every target), so "all on" is two value sets.
 MONITORING_ON = {
     "serviceMonitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
-    "podMonitor": {"enabled": True},
     "prometheusRule": {"enabled": True},
     "dashboards": {"enabled": True},
 }
+MONITORING_ON_PODS = {**MONITORING_ON, "serviceMonitor": {"enabled": False}, "podMonitor": {"enabled": True}}
 ALL_ON_HPA: dict[str, Any] = {
     "generator": {"autoscaling": {"hpa": {"enabled": True}}, "config": {"engine": {"gpu_memory_utilization": 0.85}}},
     "trainer": {"config": {"steps": 100}},
@@ -32,7 +32,7 @@ ALL_ON_HPA: dict[str, Any] = {
 }
 ALL_ON_KEDA: dict[str, Any] = {
     "generator": {"autoscaling": {"keda": {"enabled": True}}},
-    "monitoring": MONITORING_ON,
+    "monitoring": MONITORING_ON_PODS,
     "networkPolicy": {"enabled": True},
     "security": {"tls": {"enabled": True, "existingSecret": "sparrow-tls"}, "existingSecret": "sparrow-tokens"},
 }

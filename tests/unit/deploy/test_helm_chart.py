@@ -175,11 +175,13 @@ def test_optional_kinds_appear_only_when_enabled():
         + ["StatefulSet", "Service"] * 2  # trainer, redis
     )
     hpa = kinds(ALL_ON_HPA)
-    for kind in ("HorizontalPodAutoscaler", "ServiceMonitor", "PodMonitor", "PrometheusRule", "NetworkPolicy"):
+    for kind in ("HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"):
         assert kind in hpa
+    assert "PodMonitor" not in hpa
     assert hpa.count("NetworkPolicy") == 4 and hpa.count("Secret") == 2  # tokens + TLS
     keda = kinds(ALL_ON_KEDA)
     assert "ScaledObject" in keda and "HorizontalPodAutoscaler" not in keda
+    assert "PodMonitor" in keda and "ServiceMonitor" not in keda
     assert "Secret" not in keda  # both secrets are existing ones
     external = kinds(EXTERNAL_REDIS)
     assert external.count("StatefulSet") == 1 and external.count("NetworkPolicy") == 3  # no bundled Redis

@@ -42,6 +42,10 @@ TEMPLATE_CASES = [
         "minReplicas 4 is above maxReplicas 3",
     ),
     ({"redis": {"enabled": False}}, "redis.external.host is required"),
+    (
+        {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
+        "enable serviceMonitor or podMonitor, not both",
+    ),
     ({"security": {"tls": {"enabled": True}}}, "security.tls.cert (PEM) is required"),
     # The controller refuses tau + margin >= 1 (its target): the schema's tau < 1 is not enough.
     ({"tau": 0.98}, "tau 0.98 + the controller's retune.margin 0.02 must be below 1"),
