@@ -170,6 +170,10 @@ same names (a test compares them).
   value: "0.0.0.0"
 - name: SPARROW_METRICS__PORT
   value: {{ .Values.generator.metricsPort | quote }}
+{{- if not (dig "engine" "model_dir" "" .Values.generator.config) }}
+- name: SPARROW_ENGINE__MODEL_DIR
+  value: {{ .Values.model.dir | quote }}
+{{- end }}
 {{ include "sparrow.securityEnv" . }}
 {{- end }}
 
@@ -186,6 +190,10 @@ same names (a test compares them).
   value: /var/lib/sparrow
 - name: SPARROW_DEVICE
   value: {{ if gt (int .Values.trainer.gpu.count) 0 }}cuda{{ else }}cpu{{ end }}
+{{- if not (dig "model_dir" "" .Values.trainer.config) }}
+- name: SPARROW_MODEL_DIR
+  value: {{ .Values.model.dir | quote }}
+{{- end }}
 {{ include "sparrow.securityEnv" . }}
 {{- end }}
 
@@ -219,5 +227,23 @@ Call with (dict "ctx" $ "key" "service-token" "value" .Values.security.serviceTo
 {{- index $existing.data .key }}
 {{- else }}
 {{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}
+
+{{- /* The checkpoints volume (model.existingClaim), mounted read-only at /models. */}}
+{{- define "sparrow.modelsMount" -}}
+{{- if .Values.model.existingClaim }}
+- name: models
+  mountPath: /models
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "sparrow.modelsVolume" -}}
+{{- if .Values.model.existingClaim }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+    readOnly: true
 {{- end }}
 {{- end }}

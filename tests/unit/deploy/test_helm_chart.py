@@ -340,3 +340,28 @@ def test_notes_render_for_each_variant():
         notes = render(values)["sparrow/templates/NOTES.txt"]
         assert f"svc/{RELEASE}-sparrow-controller" in notes
     assert "Prometheus" in render(ALL_ON_HPA)["sparrow/templates/NOTES.txt"]
+
+
+def test_the_trainer_and_the_generators_start_on_the_one_model():
+    def wiring(values):
+        objs = objects(values)
+        out = {}
+        for kind, component, env_name in (
+            ("StatefulSet", "trainer", "SPARROW_MODEL_DIR"),
+            ("Deployment", "generator", "SPARROW_ENGINE__MODEL_DIR"),
+        ):
+            (workload,) = find(objs, kind, component)
+            pod = workload["spec"]["template"]["spec"]
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+            claims = {v["name"]: v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+            out[component] = env.get(env_name), mounts.get("/models"), claims.get("models")
+        return out
+
+    # Their own defaults differ (tiny for the trainer, small for the generators); the chart gives both one.
+    assert {c: w[0] for c, w in wiring(None).items()} == {"trainer": "models/small", "generator": "models/small"}
+    for model, mount, claim in wiring({"model": {"dir": "/models/qwen3-1.7b", "existingClaim": "ckpt"}}).values():
+        assert model == "/models/qwen3-1.7b" and mount["readOnly"] and claim == {"claimName": "ckpt", "readOnly": True}
+    # A component's own model_dir wins over the chart's (its TOML, which the environment would override).
+    own = wiring({"generator": {"config": {"engine": {"model_dir": "/x"}}}})
+    assert own["generator"][0] is None and own["trainer"][0] == "models/small"
