@@ -10,29 +10,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.generator.engine import EngineError
 
 if TYPE_CHECKING:
     import torch
 
+T = TypeVar("T")
+
 
 def checkpoint_layout(folder: Path) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor in the .safetensors files of a checkpoint folder (headers only)."""
-    from safetensors import SafetensorError, safe_open
-
-    layout: dict[str, tuple[int, ...]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():  # noqa: SIM118
-                    layout[name] = tuple(st.get_slice(name).get_shape())
-        except (OSError, SafetensorError) as exc:
-            raise EngineError(f"cannot read {f}: {exc}") from None
-    return layout
+    return dict(_each(folder, f"checkpoint {folder}", lambda st, name: tuple(st.get_slice(name).get_shape())))
 
 
 def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int) -> None:
@@ -63,13 +55,19 @@ def _check_finite(folder: Path, what: str) -> None:
 
 def _tensors(folder: Path, what: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every .safetensors file in `folder`; a damaged file is EngineError naming it."""
+    return _each(folder, what, lambda st, name: st.get_tensor(name))
+
+
+def _each(folder: Path, what: str, read: Callable[[Any, str], T]) -> Iterator[tuple[str, T]]:
+    """(name, read(file, name)) for every tensor of the .safetensors files in `folder`, a damaged file being
+    EngineError naming it (reads inside the file's scope, so a lazily read body that fails is caught too)."""
     from safetensors import SafetensorError, safe_open
 
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():  # noqa: SIM118
-                    yield name, st.get_tensor(name)
+                    yield name, read(st, name)
         except (OSError, SafetensorError) as exc:
             raise EngineError(f"{what}: cannot read {f.name}: {exc}") from None
 

@@ -168,15 +168,15 @@ class _Download:
         if not manifest.files:
             self.fail("the manifest lists no files")
         for f in manifest.files:
-            parts = PurePosixPath(f.path).parts
+            path = PurePosixPath(f.path)
             # A path must be in normal form (no `a//b`, `a/`, `./a`), so no two names reach the same file.
-            unsafe = "\\" in f.path or "\0" in f.path or ".." in parts or str(PurePosixPath(f.path)) != f.path
+            unsafe = "\\" in f.path or "\0" in f.path or ".." in path.parts or str(path) != f.path
             if not f.path or f.path.startswith("/") or unsafe:
                 self.fail(f"unsafe file path {f.path!r} in the manifest")
             if f.path in self.files:
                 self.fail(f"{f.path} is listed twice in the manifest")
             # `a` and `a/b` cannot both be written: one path would have to be a file and a folder.
-            folders = {str(p) for p in PurePosixPath(f.path).parents if str(p) != "."}
+            folders = {str(p) for p in path.parents if str(p) != "."}
             if f.path in self.folders or not folders.isdisjoint(self.files):
                 self.fail(f"{f.path} is both a file and a folder in the manifest")
             self.folders |= folders
