@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
-from services.trainer.store import TrajectoryStore, fsync_dir
+from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
 
 log = logging.getLogger("sparrow.trainer")
@@ -147,13 +146,7 @@ class TrainerService:
                     f"{path}: unreadable ({type(exc).__name__}: {exc}); it holds the run id its group ids carry"
                 ) from None
         run_id = new_run_id()
-        tmp = path.with_name(f".tmp-{RUN_FILE}")
-        with tmp.open("w") as f:  # whole or not at all: a torn one would stop every later start
-            f.write(json.dumps({"run_id": run_id}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(self.run_dir)
+        replace_text(path, json.dumps({"run_id": run_id}) + "\n")  # a torn one would stop every later start
         return run_id
 
     def _redis(self):

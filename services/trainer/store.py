@@ -53,6 +53,17 @@ def _whole_record_after(data: bytes, start: int) -> int | None:
     return None
 
 
+def replace_text(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a temporary file beside it, fsync'd, renamed over it, folder fsync'd."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 class TrajectoryStore:
     """Accepted trajectories by group and sample index, durable on disk; safe to use from many threads."""
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from services.trainer.store import fsync_dir
+from services.trainer.store import fsync_dir, replace_text
 
 log = logging.getLogger("sparrow.trainer.weights")
 
@@ -164,13 +164,7 @@ class WeightStore:
             final = self.folder(kind, version)
             os.replace(tmp, final)
             manifest = Manifest(version, files, lora_rank, tuple(targets))
-            side = base / f"v{version:08d}.json"
-            side_tmp = base / f".tmp-v{version:08d}.json"
-            side_tmp.write_text(manifest.to_json())
-            with side_tmp.open("rb") as f:
-                os.fsync(f.fileno())
-            os.replace(side_tmp, side)
-            fsync_dir(base)
+            replace_text(base / f"v{version:08d}.json", manifest.to_json())
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
