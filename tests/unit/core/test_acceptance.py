@@ -121,3 +121,20 @@ def test_accumulator_equals_one_shot_stats():
     assert acc.stats(q=0.5) == binned_stats(alpha, kv, bin_width=2000, q=0.5, num_bins=20)
     acc.reset()
     assert acc.count == 0 and acc.stats() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_alpha_is_float64_accurate_at_a_qwen3_vocabulary(dtype):
+    # 151,936 entries (Qwen3): a softmax normaliser in the input's dtype drifts by ~1e-5 at this size.
+    vocab = 151_936
+    g = torch.Generator().manual_seed(3)
+    dense = (torch.randn(4, vocab, generator=g) * 4).to(dtype)
+    sparse = (dense.double() + torch.randn(4, vocab, generator=g, dtype=torch.float64) * 0.3).to(dtype)
+    got = alpha_exact(sparse, dense)
+    # The reference: the same (rounded) inputs, in numpy float64, with an explicit normaliser per row.
+    s, d = sparse.double().numpy(), dense.double().numpy()
+    log_q = s - (np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1, keepdims=True)) + s.max(-1, keepdims=True))
+    log_p = d - (np.log(np.exp(d - d.max(-1, keepdims=True)).sum(-1, keepdims=True)) + d.max(-1, keepdims=True))
+    want = np.exp(np.minimum(log_q, log_p)).sum(-1)
+    assert got.dtype == torch.float64
+    assert np.abs(got.numpy() - want).max() < 1e-9
