@@ -50,11 +50,19 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(UpConfig, args.config, {k: v for k, v in flags.items() if v is not None})
     except ConfigError as exc:
         raise CliError(str(exc)) from None
+    from services.launcher.plan import SetupError, make_plan
+
     if args.print_config:
+        # The launch's own checks, so that what prints is what would run (they write nothing).
+        from services.launcher.compare import check_compare
+
+        try:
+            check_compare(config) if args.compare else make_plan(config)
+        except (SetupError, ConfigError) as exc:
+            raise CliError(str(exc)) from None
         print(json.dumps(config.dump_public(), sort_keys=True))
         return 0
 
-    from services.launcher.plan import SetupError
     from services.launcher.progress import JsonProgress, LiveProgress
     from services.launcher.run import run_up
 

@@ -24,15 +24,21 @@ COMPARE_FILE = "compare.json"
 MODES = ("dense", "sparse")
 
 
+def check_compare(up: UpConfig) -> tuple[Path, dict[str, UpConfig]]:
+    """Check both runs' input before either starts (SetupError/ConfigError); (the root folder, each mode's config)."""
+    root = Path(up.run_dir or default_run_dir()).resolve()
+    require_fresh_run_dir(root)
+    ups = {m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m)}) for m in MODES}
+    for mode in MODES:
+        make_plan(ups[mode])
+    return root, ups
+
+
 def run_compare(up: UpConfig, progress_factory) -> tuple[int, dict]:
     """Run dense, then sparse, then write the comparison; (exit status, summary)."""
     from services.launcher.run import run_up
 
-    root = Path(up.run_dir or default_run_dir()).resolve()
-    require_fresh_run_dir(root)
-    ups = {m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m)}) for m in MODES}
-    for mode in MODES:  # both checked before either starts
-        make_plan(ups[mode])
+    root, ups = check_compare(up)
     summaries = {}
     for mode in MODES:
         code, summaries[mode] = run_up(ups[mode], progress_factory)

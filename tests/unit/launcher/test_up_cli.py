@@ -35,10 +35,13 @@ def _one_line_error(result, fragment: str) -> None:
         ("steps = 0\n", "invalid config value for 'steps'"),
         ('schedule = "no-such-preset"\n', "schedule: unknown schedule preset 'no-such-preset'"),
         ("generators = [\n", "malformed TOML"),
+        ("[trainer]\ndataset = 'x'\n", "unknown config key 'trainer.dataset'"),
     ],
 )
-def test_bad_config_files(tmp_path, config, fragment):
-    result, run_dir = _up(tmp_path, config=config)
+@pytest.mark.parametrize("mode", [(), ("--print-config",), ("--print-config", "--compare")])
+def test_bad_config_files(tmp_path, config, fragment, mode):
+    # --print-config runs the launch's checks: it never prints a config that the launch would refuse.
+    result, run_dir = _up(tmp_path, *mode, config=config)
     _one_line_error(result, fragment)
     assert not run_dir.exists()
 
