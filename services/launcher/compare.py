@@ -18,7 +18,7 @@ from pathlib import Path
 from services.launcher.config import UpConfig
 from services.launcher.history import read_history
 from services.launcher.plan import default_run_dir, make_plan, require_fresh_run_dir
-from services.launcher.report import ReportError, build_report, headline
+from services.launcher.report import ReportError, build_report, headline, measured, with_gaps
 
 COMPARE_FILE = "compare.json"
 MODES = ("dense", "sparse")
@@ -119,10 +119,10 @@ def _plot(root: Path, key: str, title: str, out: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for mode in MODES:
-        points = [(r["step"], r[key]) for r in read_history(root / mode) if r.get(key) is not None]
+        rows = read_history(root / mode)
+        points = [(r["step"], v) for r in rows if (v := measured(r, key)) is not None]
         if points:
-            xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, marker="o", ms=3, label=mode)
+            ax.plot(*with_gaps(points, [r["step"] for r in rows]), marker="o", ms=3, label=mode)
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

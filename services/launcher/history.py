@@ -123,7 +123,8 @@ class History:
             self.generator_versions[name] = max(self.generator_versions.get(name, 0), sample.policy_version)
         return {
             "generated_tokens": tokens,
-            "tokens_per_s": tokens / wall if wall > 0 else None,
+            # No tokens between two scrapes is no measurement (the step's groups were generated earlier), not 0/s.
+            "tokens_per_s": tokens / wall if wall > 0 and tokens else None,
             "rollout_tokens_per_s": busy_rate if tokens else None,
             "sparse_token_fraction": sparse / tokens if tokens else None,
             "attended_kv_fraction": attended / context if context else None,

@@ -27,7 +27,7 @@ class ReportError(ValueError):
 def headline(rows: list[dict]) -> dict:
     """The run's headline figures from its history rows."""
     last = rows[-1] if rows else {}
-    rates = [r["rollout_tokens_per_s"] for r in rows if r.get("rollout_tokens_per_s") is not None]
+    rates = [v for r in rows if (v := measured(r, "rollout_tokens_per_s")) is not None]
     p5s = list(last.get("p5", {}).values())
     return {
         "steps_done": len(rows),
@@ -53,7 +53,7 @@ def figures(rows: list[dict]) -> dict:
     steps = [r["step"] for r in rows]
 
     def series(key: str) -> list[list]:
-        return [[s, r[key]] for s, r in zip(steps, rows, strict=True) if r.get(key) is not None]
+        return [[s, v] for s, r in zip(steps, rows, strict=True) if (v := measured(r, key)) is not None]
 
     bins = sorted({b for r in rows for b in r.get("p5", {})}, key=int)
     budget_bins = max((len(r["schedule_budgets"]) for r in rows if r.get("schedule_budgets")), default=0)
@@ -79,7 +79,23 @@ PLOTS = {
 }
 
 
-def _plot(name: str, data: dict, out: Path, tau: float | None) -> None:
+def measured(row: dict, key: str) -> float | None:
+    """row[key], or None where the step has no measurement of it (older histories wrote a rate of 0 then)."""
+    if key in RATES and row.get("generated_tokens") == 0:
+        return None
+    return row.get(key)
+
+
+RATES = ("tokens_per_s", "rollout_tokens_per_s")
+
+
+def with_gaps(points: list[list], steps: list[int]) -> tuple[list, list]:
+    """(xs, ys) over every step, NaN where `points` has none: the line breaks there instead of joining across."""
+    known = dict((s, v) for s, v in points)
+    return list(steps), [known.get(s, math.nan) for s in steps]
+
+
+def _plot(name: str, data: dict, out: Path, tau: float | None, steps: list[int]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -89,9 +105,11 @@ def _plot(name: str, data: dict, out: Path, tau: float | None) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, points in data.items():
         if points:
-            xs, ys = zip(*points, strict=True)
-            kind = ax.step if name == "schedule" else ax.plot
-            kind(xs, ys, label=label, **({"where": "post"} if name == "schedule" else {"marker": "o", "ms": 3}))
+            if name == "schedule":
+                xs, ys = zip(*points, strict=True)
+                ax.step(xs, ys, label=label, where="post")
+            else:
+                ax.plot(*with_gaps(points, steps), label=label, marker="o", ms=3)
     if name == "p5" and tau is not None:
         ax.axhline(tau, color="red", linestyle="--", linewidth=1, label=f"tau {tau:g}")
     if not any(data.values()):
@@ -129,7 +147,7 @@ def step_table(rows: list[dict]) -> list[str]:
             f"| {r['step']} | {_fmt(r.get('reward'))} | {_fmt(r.get('accuracy'))} "
             f"| {_fmt(r.get('response_length'), '.1f')} "
             f"| {_fmt(min(p5.values()) if p5 else None)} | {per_bin} | v{r.get('published_version')} | {schedule} "
-            f"| {_fmt(r.get('rollout_tokens_per_s'), '.1f')} | {_fmt(r.get('tokens_per_s'), '.1f')} "
+            f"| {_fmt(measured(r, 'rollout_tokens_per_s'), '.1f')} | {_fmt(measured(r, 'tokens_per_s'), '.1f')} "
             f"| {_fmt(r.get('predicted_speedup'), '.2f')} |"
         )
     return lines
@@ -149,7 +167,7 @@ def build_report(run_dir: Path) -> Path:
     figs = figures(rows)
     tau = rows[-1].get("tau")
     for name, data in figs.items():
-        _plot(name, data, out / f"{name}.png", tau)
+        _plot(name, data, out / f"{name}.png", tau, [r["step"] for r in rows])
     (out / "figures.json").write_text(json.dumps(figs, indent=1) + "\n")
     head = headline(rows)
     run = summary.get("run", {})

@@ -124,6 +124,20 @@ def test_dense_runs_record_no_schedule_and_no_speedup_over_dense(tmp_path):
     assert row["generated_tokens"] == 0 and row["rollout_tokens_per_s"] is None
 
 
+def test_a_step_with_no_generation_since_the_last_scrape_has_no_rate_not_zero(tmp_path, exporters):
+    gen, url = exporters()
+    history = _history(tmp_path, {"gen-0": url})
+    gen.record_tokens(0, [0] * 50)
+    gen.step_seconds.observe(1.0)
+    history.sources.steps_file.write_text(json.dumps(_step(1)) + "\n")
+    assert history.poll()[0]["tokens_per_s"] > 0
+    with history.sources.steps_file.open("a") as f:  # step 2 trains groups generated before step 1's scrape
+        f.write(json.dumps(_step(2)) + "\n")
+    (row,) = history.poll()
+    assert row["generated_tokens"] == 0
+    assert row["tokens_per_s"] is None and row["rollout_tokens_per_s"] is None
+
+
 def test_a_line_that_is_not_a_step_is_skipped_not_fatal(tmp_path):
     history = _history(tmp_path, {})
     history.sources.steps_file.write_text("not json\n" + '{"no": "step"}\n' + json.dumps(_step(1)) + "\n")

@@ -1,11 +1,12 @@
 """The run report and the dense-vs-sparse comparison, built from metrics histories alone."""
 
 import json
+import math
 
 import pytest
 
 from services.launcher.compare import build_compare_report
-from services.launcher.report import ReportError, build_report, figures, headline
+from services.launcher.report import ReportError, build_report, figures, headline, with_gaps
 from tests.cli_runner import sparrow
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -72,6 +73,24 @@ def test_a_dense_run_and_missing_figures_still_give_a_report(tmp_path):
     assert "| 1 | 0.250 | 0.500 | 12.5 | 0.810 | 0:0.990 1:0.810 | v2 | dense | - | - | 1.00 |" in md
     assert figures(rows)["schedule"] == {}
     assert (run / "report" / "schedule.png").read_bytes()[:8] == PNG
+
+
+def test_a_step_without_generation_is_a_gap_and_a_dash_never_a_zero(tmp_path):
+    # Step 2 trained groups generated before step 1's scrape: nothing was measured in between. Histories before
+    # this fix wrote its wall rate as 0.0; the report reads that as no measurement too.
+    rows = [_row(1, 100.0, 0.25), _row(2, None, 0.5), _row(3, 110.0, 0.75)]
+    for r in rows:
+        r["generated_tokens"] = 0 if r["step"] == 2 else 500
+    rows[1]["tokens_per_s"] = 0.0
+    run = _run(tmp_path / "run", rows)
+    md = build_report(run).read_text()
+    assert "| 2 | 0.250 | 0.500 | 12.5 | 0.820 | 0:0.990 1:0.820 | v3 | v2 | - | - | 1.70 |" in md
+    figs = figures(rows)
+    assert figs["tokens_per_s"]["wall"] == [[1, 50.0], [3, 55.0]]
+    assert figs["tokens_per_s"]["rollout (engine time)"] == [[1, 100.0], [3, 110.0]]
+    xs, ys = with_gaps(figs["tokens_per_s"]["wall"], [1, 2, 3])
+    assert xs == [1, 2, 3] and ys[0] == 50.0 and math.isnan(ys[1]) and ys[2] == 55.0  # the line breaks at 2
+    assert headline(rows)["mean_rollout_tokens_per_s"] == pytest.approx(105.0)
 
 
 def test_no_report_without_a_run_or_without_steps(tmp_path):
