@@ -12,7 +12,7 @@ import logging
 import grpc
 
 from services.api.sparrow.v1 import common_pb2, weights_pb2, weights_pb2_grpc
-from services.trainer.weights import ADAPTER, POLICY, Manifest, WeightStore
+from services.trainer.weights import ADAPTER, POLICY, DamagedVersion, Manifest, WeightStore
 
 log = logging.getLogger("sparrow.trainer.weights")
 
@@ -52,17 +52,28 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         what = "policy" if kind == POLICY else "adapter"
         if version < 0 or chunk_bytes < 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version and chunk_bytes must be >= 0")
-        manifest = self.store.manifest(kind, version)
+        try:
+            manifest = self.store.manifest(kind, version)
+        except DamagedVersion as exc:
+            manifest, damaged = None, str(exc)
+        else:
+            damaged = None
+        if damaged is not None:
+            log.error("refusing a fetch: %s", damaged)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, damaged)
         if manifest is None:
             latest = self.store.latest(kind)
             asked = "latest" if version == 0 else f"version {version}"
             context.abort(grpc.StatusCode.NOT_FOUND, f"{what} {asked} is not published (latest: {latest or 'none'})")
         size = min(chunk_bytes or self.default_chunk_bytes, self.max_chunk_bytes)
         yield weights_pb2.WeightChunk(manifest=_manifest_message(manifest))
-        folder = self.store.folder(kind, manifest.version)
         for entry in manifest.files:
             try:
-                f = (folder / entry.path).open("rb")
+                # Resolved again here: the folder may have changed on disk since its manifest was checked.
+                f = self.store.file_path(kind, manifest.version, entry).open("rb")
+            except DamagedVersion as exc:
+                log.error("refusing a fetch: %s", exc)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except FileNotFoundError:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"{what} version {manifest.version} was retired mid-fetch")
             with f:

@@ -8,6 +8,10 @@ A version is written into a temporary folder, renamed into place, then its manif
 computed once, here) is written and renamed: a version exists once its manifest does, and a crash
 leaves at worst a folder without one, which the next start removes. Only the newest `keep`
 versions of each kind stay. Watchers wait on `wait_for_change` for new versions.
+
+Only versions this store published, or found whole at its start, are served; a manifest that names a
+file outside its version's folder (an absolute path, `..`, a symlink leading out) makes the version
+DamagedVersion, never a file server for the rest of the disk.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from services.trainer.store import fsync_dir, replace_text
 
@@ -67,6 +71,10 @@ class Manifest:
         )
 
 
+class DamagedVersion(ValueError):
+    """A published version whose manifest cannot be read or names a file outside its folder: refused whole."""
+
+
 def sha256_of(path: Path) -> str:
     """Hex sha256 of a file, read in blocks (never whole)."""
     digest = hashlib.sha256()
@@ -96,11 +104,19 @@ class WeightStore:
         self._cond = threading.Condition()
         self._closed = False
         self._latest: dict[str, int] = {}
+        self._published: dict[str, set[int]] = {}
         for kind in (POLICY, ADAPTER):
             (self.root / kind).mkdir(parents=True, exist_ok=True)
             self._clean(kind)
-            versions = self._versions(kind)
-            self._latest[kind] = versions[-1] if versions else 0
+            self._published[kind] = set()
+            for version in self._versions(kind):
+                try:
+                    self._read_manifest(kind, version)
+                except DamagedVersion as exc:
+                    log.error("not serving %s", exc)
+                    continue
+                self._published[kind].add(version)
+            self._latest[kind] = max(self._published[kind], default=0)
 
     def _clean(self, kind: str) -> None:
         base = self.root / kind
@@ -126,21 +142,55 @@ class WeightStore:
             return self._latest[kind]
 
     def has(self, kind: str, version: int) -> bool:
-        return version in self._versions(kind)
+        """Whether `version` of `kind` is published (and not yet retired)."""
+        with self._cond:
+            return version in self._published[kind]
 
     def folder(self, kind: str, version: int) -> Path:
         return self.root / kind / f"v{version:08d}"
 
     def manifest(self, kind: str, version: int = 0) -> Manifest | None:
-        """The manifest of `version` (0: the latest), or None when it is not (or no longer) published."""
+        """The manifest of `version` (0: the latest), or None when it is not (or no longer) published.
+
+        DamagedVersion when the version is published but its manifest on disk is unreadable or names a file
+        outside the version's folder.
+        """
         if version == 0:
             version = self.latest(kind)
-        if version <= 0:
+        if version <= 0 or not self.has(kind, version):
             return None
         try:
-            return Manifest.from_json((self.root / kind / f"v{version:08d}.json").read_text())
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+            return self._read_manifest(kind, version)
+        except DamagedVersion:
+            if not self.has(kind, version):
+                return None  # retired while it was read: gone, not damaged
+            raise
+
+    def file_path(self, kind: str, version: int, entry: FileEntry) -> Path:
+        """Where `entry` of `version` lies, resolved; DamagedVersion unless inside the version's folder."""
+        folder = self.folder(kind, version)
+        path = PurePosixPath(entry.path) if isinstance(entry.path, str) else None
+        what = f"{kind} version {version}"
+        if path is None or not entry.path or path.is_absolute() or ".." in path.parts or "\\" in entry.path:
+            raise DamagedVersion(f"{what}: its manifest names {entry.path!r}, not a path inside its folder")
+        if "\0" in entry.path or str(path) != entry.path:
+            raise DamagedVersion(f"{what}: its manifest names {entry.path!r}, not a path in normal form")
+        resolved = (folder / entry.path).resolve()
+        if not resolved.is_relative_to(folder.resolve()):
+            raise DamagedVersion(f"{what}: {entry.path!r} leads outside its folder (a symlink)")
+        return resolved
+
+    def _read_manifest(self, kind: str, version: int) -> Manifest:
+        what = f"{kind} version {version}"
+        try:
+            manifest = Manifest.from_json((self.root / kind / f"v{version:08d}.json").read_text())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise DamagedVersion(f"{what}: unreadable manifest ({type(exc).__name__}: {exc})") from None
+        if manifest.version != version:
+            raise DamagedVersion(f"{what}: its manifest says version {manifest.version}")
+        for entry in manifest.files:
+            self.file_path(kind, version, entry)
+        return manifest
 
     def publish(
         self, kind: str, version: int, write: Callable[[Path], None], lora_rank: int = 0, targets: tuple[str, ...] = ()
@@ -169,6 +219,7 @@ class WeightStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         with self._cond:
+            self._published[kind].add(version)
             self._latest[kind] = version
             self._cond.notify_all()
         self._retire(kind)
@@ -192,6 +243,8 @@ class WeightStore:
     def _retire(self, kind: str) -> None:
         # Watchers and fetches of a retired version get NOT_FOUND; open file handles still read to the end.
         for version in self._versions(kind)[: -self.keep]:
+            with self._cond:
+                self._published[kind].discard(version)
             (self.root / kind / f"v{version:08d}.json").unlink(missing_ok=True)
             shutil.rmtree(self.folder(kind, version), ignore_errors=True)
 

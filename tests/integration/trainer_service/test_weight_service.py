@@ -2,6 +2,8 @@
 sha256-checked chunks and load back as the model that was published; unknown or retired versions are NOT_FOUND."""
 
 import copy
+import json
+import logging
 from types import SimpleNamespace
 
 import grpc
@@ -112,3 +114,33 @@ def test_watchers_see_the_latest_now_and_every_new_version(served):
     assert manifest.lora_rank == 4 and list(manifest.lora_target_modules) == ["q_proj", "v_proj"]
     data = {m.chunk.path: m.chunk.data for m in messages[1:]}
     assert data == {"adapter_config.json": b'{"r": 4}', "adapter_model.safetensors": b"adapter"}
+
+
+def test_a_tampered_manifest_is_refused_and_no_outside_byte_is_served(served, caplog):
+    # A damaged run dir must not turn the service into a file server: the version is refused whole.
+    secret = served.tmp / "secret.txt"
+    secret.write_bytes(b"outside the version folder")
+    path = served.tmp / "run" / "policy" / "v00000002.json"
+    manifest = json.loads(path.read_text())
+    stub = weights_pb2_grpc.WeightServiceStub(served.channel)
+    for name in (str(secret), "../../../secret.txt"):
+        manifest["files"][0]["path"] = name
+        path.write_text(json.dumps(manifest))
+        with caplog.at_level(logging.ERROR, logger="sparrow.trainer.weights"):
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.FetchPolicy(weights_pb2.FetchPolicyRequest(version=2), timeout=10))
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        assert "policy version 2" in err.value.details() and name in err.value.details()
+        assert any("refusing a fetch" in r.getMessage() for r in caplog.records)
+    version, _ = fetch_policy(served.channel, served.tmp / "v1", version=1)  # the others are served as before
+    assert version == 1
+    # A version on disk that the store never published is not served either.
+    fake = served.tmp / "run" / "policy" / "v00000005"
+    fake.mkdir()
+    (fake / "model.safetensors").write_bytes(b"5")
+    (fake.parent / "v00000005.json").write_text(
+        json.dumps({"version": 5, "files": [{"path": "model.safetensors", "size_bytes": 1, "sha256": "0" * 64}]})
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FetchPolicy(weights_pb2.FetchPolicyRequest(version=5), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

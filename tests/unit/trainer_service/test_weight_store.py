@@ -1,11 +1,12 @@
 """Published versions on disk: manifests with correct sha256, newest K kept, torn publishes cleaned up."""
 
 import hashlib
+import json
 import threading
 
 import pytest
 
-from services.trainer.weights import ADAPTER, POLICY, WeightStore
+from services.trainer.weights import ADAPTER, POLICY, DamagedVersion, WeightStore
 
 
 def _writer(payload: bytes):
@@ -76,3 +77,52 @@ def test_adapters_carry_rank_and_targets_and_wake_watchers(tmp_path):
     assert {f.path for f in manifest.files} == {"adapter_model.safetensors", "adapter_config.json"}
     with pytest.raises(ValueError, match="rank >= 1"):
         store.publish_adapter(src, 2, rank=0, targets=["q_proj"])
+
+
+def _tamper(tmp_path, version: int, path: str) -> None:
+    manifest = tmp_path / POLICY / f"v{version:08d}.json"
+    data = json.loads(manifest.read_text())
+    data["files"][0]["path"] = path
+    manifest.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "../../../secret.txt", "sub/../../secret.txt", "./x", "a//b", ""])
+def test_a_manifest_naming_a_file_outside_its_folder_refuses_the_version(tmp_path, path):
+    (tmp_path / "secret.txt").write_text("not a weight")
+    store = WeightStore(tmp_path, keep=3)
+    store.publish(POLICY, 1, _writer(b"one"))
+    store.publish(POLICY, 2, _writer(b"two"))
+    _tamper(tmp_path, 2, path)
+    with pytest.raises(DamagedVersion, match="policy version 2"):
+        store.manifest(POLICY, 2)
+    assert store.manifest(POLICY, 1).version == 1  # the others are served as before
+    again = WeightStore(tmp_path, keep=3)  # a restart finds it damaged: not served, not the latest
+    assert again.latest(POLICY) == 1 and again.manifest(POLICY, 2) is None and again.manifest(POLICY, 1) is not None
+
+
+def test_a_symlink_leading_out_of_the_folder_refuses_the_version(tmp_path):
+    (tmp_path / "secret.txt").write_text("not a weight")
+    store = WeightStore(tmp_path / "run", keep=2)
+    manifest = store.publish(POLICY, 1, _writer(b"one"))
+    entry = next(f for f in manifest.files if f.path == "model.safetensors")
+    target = store.folder(POLICY, 1) / "model.safetensors"
+    target.unlink()
+    target.symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(DamagedVersion, match="leads outside its folder"):
+        store.file_path(POLICY, 1, entry)
+    with pytest.raises(DamagedVersion):
+        store.manifest(POLICY, 1)
+
+
+def test_only_published_versions_are_served(tmp_path):
+    store = WeightStore(tmp_path, keep=3)
+    store.publish(POLICY, 1, _writer(b"one"))
+    # A version folder and manifest put on disk by something else than this store's publish.
+    (tmp_path / POLICY / "v00000009").mkdir()
+    (tmp_path / POLICY / "v00000009" / "model.safetensors").write_bytes(b"nine")
+    manifest = json.loads((tmp_path / POLICY / "v00000001.json").read_text())
+    (tmp_path / POLICY / "v00000009.json").write_text(json.dumps({**manifest, "version": 9}))
+    assert store.manifest(POLICY, 9) is None and not store.has(POLICY, 9) and store.latest(POLICY) == 1
+    # A manifest whose version is not its file's is damaged, even when found at a start.
+    (tmp_path / POLICY / "v00000009.json").write_text(json.dumps({**manifest, "version": 1}))
+    assert WeightStore(tmp_path, keep=3).latest(POLICY) == 1
