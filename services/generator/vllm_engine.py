@@ -108,7 +108,9 @@ class VllmEngine(RolloutEngine):
             max_lora_rank=config.max_lora_rank if config.enable_lora else None,
             max_loras=2 if config.enable_lora else 1,
             max_logprobs=max(config.top_logprobs, 1),
-            logprobs_mode="raw_logprobs",
+            # After temperature scaling, as the trainer scores them (log_softmax(logits / T)): raw ones are taken
+            # before it and describe another distribution at any T != 1. (After top-p too, which RL leaves at 1.)
+            logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
             distributed_executor_backend="uni",
             async_scheduling=False,

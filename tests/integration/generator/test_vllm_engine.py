@@ -103,8 +103,8 @@ def _prompt(seed: int, length: int) -> tuple[int, ...]:
     return tuple(int(t) for t in torch.randint(3, 500, (length,), generator=g))
 
 
-def _teacher_forced(model, samples, schedule: Schedule | None = None):
-    """The trainer's scoring of the engine's tokens under the budgets the engine reported."""
+def _teacher_forced(model, samples, schedule: Schedule | None = None, temperature: float = 1.0, full: bool = False):
+    """The trainer's scoring of the engine's tokens under the budgets the engine reported (`full`: every id's)."""
     from trainer import sparse_attention
     from trainer.scoring import scaled_logprobs
 
@@ -126,8 +126,8 @@ def _teacher_forced(model, samples, schedule: Schedule | None = None):
             )
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([seq]), use_cache=False, **extra).logits[0]
-        lp = scaled_logprobs(logits[plen - 1 : len(seq) - 1], 1.0)
-        rows.append(lp.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0])
+        lp = scaled_logprobs(logits[plen - 1 : len(seq) - 1], temperature)
+        rows.append(lp if full else lp.gather(1, torch.tensor(s.token_ids)[:, None])[:, 0])
     return rows
 
 
@@ -161,6 +161,31 @@ def test_sparse_logprobs_match_trainer_oracle_and_schedule_switches_next_step(en
         diff = (ref - torch.tensor(s.logprobs)).abs().max()
         assert float(diff) <= 1e-3, f"max |engine - teacher-forced| = {float(diff):.2e}"
         assert len(s.top_token_ids) == len(s.token_ids) and all(len(t) == 20 for t in s.top_token_ids)
+
+
+def test_logprobs_at_a_temperature_other_than_one_are_the_trainers_scaled_ones(engine):
+    # The trainer scores log_softmax(logits / T); vLLM's raw logprobs are taken before temperature scaling,
+    # so at T != 1 the generator's sampled and top-20 logprobs must come after it (alpha, TIS, the tail).
+    from trainer.model_io import load_model
+
+    engine.set_schedule(None)
+    t = 0.7
+    groups = [
+        PromptGroup(f"t{i}", _prompt(40 + i, 120), 2, 0, Sampling(temperature=t, max_new_tokens=24)) for i in range(2)
+    ]
+    done = _run(engine, groups)
+    assert len(done) == 4
+    model = load_model(SMALL)
+    for s, full in zip(done, _teacher_forced(model, done, temperature=t, full=True), strict=True):
+        ids = torch.tensor(s.token_ids)
+        sampled = full.gather(1, ids[:, None])[:, 0]
+        diff = (sampled - torch.tensor(s.logprobs)).abs().max()
+        assert float(diff) <= 1e-3, f"sampled: max |engine - trainer at T={t}| = {float(diff):.2e}"
+        top_ids, top_lps = torch.tensor(s.top_token_ids), torch.tensor(s.top_logprobs)
+        # The engine's top-20 is the trainer's: the same ids carry the same scaled logprobs.
+        diff = (full.gather(1, top_ids) - top_lps).abs().max()
+        assert float(diff) <= 1e-3, f"top-20: max |engine - trainer at T={t}| = {float(diff):.2e}"
+        assert float((full.topk(20, dim=-1).values - top_lps).abs().max()) <= 1e-3
 
 
 def test_probe_sequences_decode_at_the_probe_budgets_in_the_same_batch(engine):
