@@ -96,6 +96,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--out", default=None, help="write the whole result here (JSON)")
     h.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     h.add_argument("--json", action="store_true", help="print JSON")
+    s = sub.add_parser(
+        "trainer-streams", help="many generators' streams and watches held open on one trainer: health, acks"
+    )
+    s.add_argument("--generators", type=int, default=512, help="generators, each a stream and a watch (512)")
+    s.add_argument("--trajectories", type=int, default=4, help="trajectories each generator sends (4)")
+    s.add_argument("--channels", type=int, default=16, help="client connections the generators share (16)")
+    s.add_argument("--hold", type=float, default=5.0, help="seconds every call stays open and idle (5)")
+    s.add_argument("--max-calls", type=int, default=None, help="the server's grpc.max_calls (2 x generators + 64)")
+    s.add_argument("--json", action="store_true", help="print JSON (the figures are JSON either way)")
     p.set_defaults(handler=run)
 
 
@@ -113,7 +122,24 @@ def run(args: argparse.Namespace) -> int:
         return run_distill(args)
     if args.bench == "heldout":
         return _heldout(args)
+    if args.bench == "trainer-streams":
+        return _trainer_streams(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
+
+
+def _trainer_streams(args: argparse.Namespace) -> int:
+    import json
+
+    from bench.trainer_streams import run as run_streams
+
+    require_positive(args, "generators", "trajectories", "channels")
+    if args.hold < 0:
+        raise CliError("--hold must be >= 0")
+    if args.max_calls is not None and args.max_calls < 1:
+        raise CliError("--max-calls must be >= 1")
+    result = run_streams(args.generators, args.trajectories, args.channels, args.hold, max_calls=args.max_calls)
+    print(json.dumps(result, indent=None if args.json else 1))
+    return 0 if result["goal_met"] else 1
 
 
 def _heldout(args: argparse.Namespace) -> int:

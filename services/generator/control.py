@@ -3,10 +3,14 @@
 Every call that changes the engine is carried out by the engine thread (`GeneratorService.call`);
 bad requests answer INVALID_ARGUMENT, refusals (a schedule or adapter the engine will not take, a
 download that fails verification) FAILED_PRECONDITION, and an unreachable trainer UNAVAILABLE.
+
+The server is grpc's asyncio one (services/common/aio_server.py): a call waiting on the engine (a
+policy load takes minutes) waits on the blocking-work pool, and health is answered meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -14,13 +18,8 @@ import time
 import grpc
 
 from services.api.sparrow.v1 import common_pb2, generator_pb2, generator_pb2_grpc
-from services.common.grpc_server import (
-    GrpcSecurity,
-    add_health_and_reflection,
-    bind,
-    build_server,
-    stop_gracefully,
-)
+from services.common.aio_server import AioServer
+from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import EngineError
 from services.generator.service import GeneratorService
 from services.generator.weight_fetch import WeightFetchError, WeightsUnavailable
@@ -31,6 +30,7 @@ log = logging.getLogger("sparrow.generator.control")
 
 SERVICE_NAME = "sparrow.v1.GeneratorControl"
 CALL_TIMEOUT_S = 600.0  # a policy download and load may take minutes
+MAX_CALLS = 64  # a controller and an operator or two; past it RESOURCE_EXHAUSTED, health still answered
 
 
 def schedule_from_proto(message: common_pb2.Schedule) -> Schedule:
@@ -98,20 +98,20 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
     def __init__(self, service: GeneratorService) -> None:
         self.service = service
 
-    def SetSchedule(self, request, context):
+    async def SetSchedule(self, request, context):
         """Validate the schedule and apply it from the next engine step."""
         if not request.HasField("schedule"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule is required")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "schedule is required")
         try:
             schedule = schedule_from_proto(request.schedule)
         except ScheduleError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid schedule: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid schedule: {exc}")
         probe = None
         if request.HasField("probe"):
             try:
                 probe = probe_from_proto(request.probe, schedule)
             except ProbeError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid probe: {exc}")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid probe: {exc}")
 
         def apply() -> int:
             version = self.service.apply_schedule(schedule)
@@ -120,45 +120,45 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
             return version
 
         try:
-            version = self.service.call(apply, CALL_TIMEOUT_S)
+            version = await asyncio.to_thread(self.service.call, apply, CALL_TIMEOUT_S)
         except (EngineError, ValueError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule or probe: {exc}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the engine refused the schedule or probe: {exc}")
         except RuntimeError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         log.info("schedule v%d set through the control API", version)
         return generator_pb2.SetScheduleResponse(schedule_version=version)
 
-    def LoadVersions(self, request, context):
+    async def LoadVersions(self, request, context):
         """Fetch and load the asked versions now; answers with what is served afterwards."""
         if request.policy_version < 0 or request.adapter_version < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "versions must be >= 0")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "versions must be >= 0")
         sync = self.service.sync
         if sync is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this generator fetches no weights (no trainer)")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this generator fetches no weights (no trainer)")
         try:
-            sync.load_now(request.policy_version, request.adapter_version)
+            await asyncio.to_thread(sync.load_now, request.policy_version, request.adapter_version)
         except WeightsUnavailable as exc:
-            context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc))
         except (WeightFetchError, EngineError) as exc:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except RuntimeError as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return generator_pb2.LoadVersionsResponse(serving=_versions(self.service))
 
-    def Drain(self, request, context):
+    async def Drain(self, request, context):
         """Stop claiming; answers once in-flight groups finished or were handed back (0 s: the configured grace)."""
         grace = request.grace_seconds
         if not math.isfinite(grace) or grace < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_seconds must be a finite number >= 0")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "grace_seconds must be a finite number >= 0")
         future = self.service.request_drain(grace or None)
         wait = (grace or self.service.config.drain_grace_s) + 60.0
         try:
-            finished, returned = future.result(wait)
+            finished, returned = await asyncio.wait_for(asyncio.wrap_future(future), wait)
         except Exception as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"drain did not complete: {exc}")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"drain did not complete: {exc}")
         return generator_pb2.DrainResponse(groups_finished=finished, groups_returned=returned)
 
-    def GetStatus(self, request, context):
+    async def GetStatus(self, request, context):
         """Identity, versions, schedule, in-flight sequences and whether it is draining."""
         s = self.service
         return generator_pb2.GetStatusResponse(
@@ -174,11 +174,20 @@ class GeneratorControlServicer(generator_pb2_grpc.GeneratorControlServicer):
 class ControlServer:
     """The GeneratorControl gRPC server with health, reflection and the service token."""
 
-    def __init__(self, service: GeneratorService, security: GrpcSecurity, host: str, port: int) -> None:
-        self.server = build_server(security, max_workers=8)
-        generator_pb2_grpc.add_GeneratorControlServicer_to_server(GeneratorControlServicer(service), self.server)
-        self.health = add_health_and_reflection(self.server, [SERVICE_NAME])
-        self.port = bind(self.server, f"{host}:{port}", security)
+    def __init__(self, service: GeneratorService, security: GrpcSecurity, host: str, port: int, registry=None) -> None:
+        self.server = AioServer(
+            security, max_calls=MAX_CALLS, blocking_threads=4, registry=registry, component="generator_control",
+            name="control-grpc",
+        )  # fmt: skip
+        try:
+            generator_pb2_grpc.add_GeneratorControlServicer_to_server(
+                GeneratorControlServicer(service), self.server.server
+            )
+            self.server.add_health_and_reflection([SERVICE_NAME])
+            self.port = self.server.bind(f"{host}:{port}")
+        except BaseException:
+            self.server.stop(0)  # its loop thread and pool, which a failed bind would leave behind
+            raise
 
     def start(self) -> ControlServer:
         """Start serving; returns self."""
@@ -187,4 +196,4 @@ class ControlServer:
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Report NOT_SERVING, let calls finish for `grace_s`, stop."""
-        stop_gracefully(self.server, self.health, grace_s)
+        self.server.stop(grace_s)

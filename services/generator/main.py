@@ -138,7 +138,8 @@ class Generator:
         try:
             self.metrics_port = self.metrics.serve(self.config.metrics.host, self.config.metrics.port)
             c = self.config.control
-            self.control = ControlServer(self.service, self.config.security.server(), c.host, c.port).start()
+            security = self.config.security.server()
+            self.control = ControlServer(self.service, security, c.host, c.port, self.metrics.registry).start()
         except OSError as exc:
             self.close()
             raise SetupError(f"cannot listen: {exc}") from None

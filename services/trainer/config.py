@@ -15,8 +15,14 @@ class GrpcConfig(ConfigSection):
     """The gRPC server carrying RolloutService and WeightService."""
 
     address: str = Field("127.0.0.1:50051", description="host:port the gRPC server binds (port 0 picks a free one).")
-    max_workers: int = Field(
-        64, ge=4, description="Server threads; each open trajectory stream or version watch holds one."
+    max_calls: int = Field(
+        4096,
+        ge=1,
+        description="Open calls (trajectory streams, version watches, fetches) served at once; past it a new call is "
+        "refused at once with RESOURCE_EXHAUSTED. Health and reflection are never counted. A generator holds two.",
+    )
+    blocking_threads: int = Field(
+        16, ge=1, description="Threads for the calls' blocking work (store fsync, file reads); open calls hold none."
     )
     max_message_bytes: int = Field(
         64 << 20, ge=1 << 16, description="Largest message accepted; a bigger one ends its stream (RESOURCE_EXHAUSTED)."

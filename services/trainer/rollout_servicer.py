@@ -4,10 +4,15 @@ One stream per generator: a hello first (answered with the versions the trainer 
 trajectories in any number. A bad trajectory is acked REJECTED with the reason and the stream goes
 on; a stream-level problem (no hello first, a message of neither kind, one over the size limit,
 which gRPC itself refuses) ends that stream alone with a gRPC status.
+
+The servicer runs on the trainer's asyncio gRPC server (services/common/aio_server.py): an open stream
+holds no thread. Checking and storing a trajectory (an fsync before its ACCEPTED) runs on the server's
+blocking-work pool, one trajectory of a stream at a time, so its ack is sent only once it is durable.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -45,31 +50,34 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.limits = limits
         self.metrics = metrics
 
-    def StreamTrajectories(self, request_iterator, context: grpc.ServicerContext):
-        first = next(request_iterator, None)
+    async def StreamTrajectories(self, request_iterator, context: grpc.aio.ServicerContext):
+        requests = aiter(request_iterator)
+        first = await anext(requests, None)
         if first is None:
             return
         if first.WhichOneof("item") != "hello":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with a hello")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a stream must start with a hello")
         generator = first.hello.generator_id
         if not generator or len(generator) > MAX_ID_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello needs a generator_id of 1 to {MAX_ID_CHARS} chars")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"hello needs a generator_id of 1 to {MAX_ID_CHARS} chars"
+            )
         log.info("generator %s connected (policy v%d)", generator, first.hello.versions.policy_version)
         yield self._hello()
-        for request in request_iterator:
+        async for request in requests:
             kind = request.WhichOneof("item")
             if kind == "hello":  # a generator may ask again for the latest versions
                 yield self._hello()
                 continue
             if kind != "trajectory":
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message must hold a hello or a trajectory")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message must hold a hello or a trajectory")
             t = request.trajectory
             try:
-                status, reason = self.receive(t)
+                status, reason = await asyncio.to_thread(self.receive, t)
             except StoreError as exc:
                 # Not the trajectory's fault: the generator reconnects and resends it.
                 log.error("cannot store trajectory %s: %s", t.trajectory_id, exc)
-                context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer cannot store trajectories now: {exc}")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer cannot store trajectories now: {exc}")
             self.metrics.trajectories.labels(status=status).inc()
             if status == "rejected":
                 log.info("rejected trajectory %s from %s: %s", t.trajectory_id, generator, reason)

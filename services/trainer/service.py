@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from services.common.aio_server import AioServer
 from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore, replace_text
+from services.trainer.validate import Limits
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
 
 log = logging.getLogger("sparrow.trainer")
@@ -112,7 +114,7 @@ class TrainerService:
             self.distill,
         )
         self.metrics.policy_version.set(self.state.policy_version)
-        self._server = self._health = self._http = None
+        self._server = self._http = None
         self.grpc_port = self.metrics_port = 0
         self._last_checkpoint_step = self.state.step if resumed else -1
         self._checkpoint_on_stop = True
@@ -176,25 +178,10 @@ class TrainerService:
 
     def start_servers(self) -> None:
         """gRPC (RolloutService, WeightService, health, reflection) and /metrics."""
-        from services.api.sparrow.v1 import rollout_pb2_grpc, weights_pb2_grpc
-        from services.common.grpc_server import add_health_and_reflection, bind, build_server
-        from services.trainer.rollout_servicer import RolloutServicer
-        from services.trainer.validate import Limits
-        from services.trainer.weight_servicer import WeightServicer
-
         c = self.config
-        security = c.security.grpc()
-        w = c.weights
-        weights = WeightServicer(self.weights, w.default_chunk_bytes, w.max_chunk_bytes)
         limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
-        rollouts = RolloutServicer(self.store, self.ledger, weights, limits, self.metrics)
-        self._server = build_server(security, c.grpc.max_workers, c.grpc.max_message_bytes)
-        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollouts, self._server)
-        weights_pb2_grpc.add_WeightServiceServicer_to_server(weights, self._server)
-        self._health = add_health_and_reflection(
-            self._server, ["sparrow.v1.RolloutService", "sparrow.v1.WeightService"]
-        )
-        self.grpc_port = bind(self._server, c.grpc.address, security)
+        self._server = build_grpc_server(c, self.store, self.ledger, self.weights, limits, self.metrics)
+        self.grpc_port = self._server.bind(c.grpc.address)
         self._server.start()
         self._http, self.metrics_port = self.metrics.serve(c.metrics.host, c.metrics.port)
         host = c.grpc.address.rsplit(":", 1)[0]
@@ -277,15 +264,13 @@ class TrainerService:
 
     def shutdown(self) -> None:
         """Checkpoint (unless the last step's is current), end streams, stop servers, close files."""
-        from services.common.grpc_server import stop_gracefully
-
         try:
             if self._checkpoint_on_stop and self._last_checkpoint_step != self.state.step:
                 self.checkpoint()
         finally:
             self.weights.close()
             if self._server is not None:
-                stop_gracefully(self._server, self._health, self.config.grpc.grace_s)
+                self._server.stop(self.config.grpc.grace_s)
             if self._http is not None:
                 self._http.shutdown()
                 self._http.server_close()
@@ -293,3 +278,42 @@ class TrainerService:
             self.ledger.close()
             self.feeder.client.close()
             log.info("trainer stopped at step %d, policy v%d", self.state.step, self.state.policy_version)
+
+
+def build_grpc_server(
+    config: TrainerServiceConfig,
+    store: TrajectoryStore,
+    ledger: GroupLedger,
+    weights: WeightStore,
+    limits: Limits,
+    metrics: TrainerMetrics,
+) -> AioServer:
+    """The trainer's gRPC server (RolloutService, WeightService, health, reflection), not yet bound or started.
+
+    One asyncio server: open trajectory streams and version watches hold no thread; past `grpc.max_calls`
+    open calls a new one is refused with RESOURCE_EXHAUSTED, and health is always answered.
+    """
+    from services.api.sparrow.v1 import rollout_pb2_grpc, weights_pb2_grpc
+    from services.trainer.rollout_servicer import RolloutServicer
+    from services.trainer.weight_servicer import WeightServicer
+
+    c, w = config.grpc, config.weights
+    weight_servicer = WeightServicer(weights, w.default_chunk_bytes, w.max_chunk_bytes)
+    rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics)
+    server = AioServer(
+        config.security.grpc(),
+        max_calls=c.max_calls,
+        max_message_bytes=c.max_message_bytes,
+        blocking_threads=c.blocking_threads,
+        registry=metrics.registry,
+        component="trainer",
+        name="trainer-grpc",
+    )
+    try:
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollouts, server.server)
+        weights_pb2_grpc.add_WeightServiceServicer_to_server(weight_servicer, server.server)
+        server.add_health_and_reflection(["sparrow.v1.RolloutService", "sparrow.v1.WeightService"])
+    except BaseException:
+        server.stop(0)
+        raise
+    return server

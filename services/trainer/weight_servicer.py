@@ -3,10 +3,15 @@
 Files are read from disk one chunk at a time, so a multi-GB checkpoint never sits whole in memory;
 the chunk size a caller asks for is capped. A version retired while it streams ends the call with
 NOT_FOUND (the caller fetches the newer one it is told about).
+
+It runs on the trainer's asyncio gRPC server: a version watch waits on the event loop (woken by the
+store when a version is published) and file reads go to the server's blocking-work pool, so neither
+holds a thread while it waits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -16,7 +21,7 @@ from services.trainer.weights import ADAPTER, POLICY, DamagedVersion, Manifest, 
 
 log = logging.getLogger("sparrow.trainer.weights")
 
-WATCH_POLL_S = 1.0
+WATCH_POLL_S = 5.0  # a watch rechecks this often even unwoken (the store wakes it on every publish and close)
 
 
 class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
@@ -26,45 +31,67 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         self.store = store
         self.default_chunk_bytes = default_chunk_bytes
         self.max_chunk_bytes = max_chunk_bytes
+        self._changed: asyncio.Event | None = None  # set and cleared on the loop at every publish
+
+    def _change_event(self) -> asyncio.Event:
+        if self._changed is None:  # made on the server's loop, the first time a watch waits
+            loop, event = asyncio.get_running_loop(), asyncio.Event()
+
+            def wake() -> None:
+                event.set()
+                event.clear()  # the waiters already woken stay woken
+
+            self.store.add_listener(lambda: loop.call_soon_threadsafe(wake))
+            self._changed = event
+        return self._changed
 
     def versions(self) -> common_pb2.Versions:
         """What the trainer publishes now (schedules come from the controller through Redis, not from here)."""
         return common_pb2.Versions(policy_version=self.store.latest(POLICY), adapter_version=self.store.latest(ADAPTER))
 
-    def WatchVersions(self, request: weights_pb2.WatchVersionsRequest, context: grpc.ServicerContext):
+    async def WatchVersions(self, request: weights_pb2.WatchVersionsRequest, context: grpc.aio.ServicerContext):
+        changed = self._change_event()
         seen: tuple[int, int] | None = None
-        while context.is_active() and not self.store.closed:
+        while not self.store.closed:  # a caller gone cancels this coroutine at its next wait
             current = (self.store.latest(POLICY), self.store.latest(ADAPTER))
             if current != seen:
                 seen = current
                 yield weights_pb2.WatchVersionsResponse(
                     latest=common_pb2.Versions(policy_version=current[0], adapter_version=current[1])
                 )
-            self.store.wait_for_change(seen, WATCH_POLL_S)
+                continue  # check again before waiting: a publish during the yield woke nobody
+            try:
+                await asyncio.wait_for(changed.wait(), WATCH_POLL_S)
+            except TimeoutError:
+                pass
 
-    def FetchPolicy(self, request: weights_pb2.FetchPolicyRequest, context: grpc.ServicerContext):
-        yield from self._fetch(POLICY, request.version, request.chunk_bytes, context)
+    async def FetchPolicy(self, request: weights_pb2.FetchPolicyRequest, context: grpc.aio.ServicerContext):
+        async for chunk in self._fetch(POLICY, request.version, request.chunk_bytes, context):
+            yield chunk
 
-    def FetchAdapter(self, request: weights_pb2.FetchAdapterRequest, context: grpc.ServicerContext):
-        yield from self._fetch(ADAPTER, request.version, request.chunk_bytes, context)
+    async def FetchAdapter(self, request: weights_pb2.FetchAdapterRequest, context: grpc.aio.ServicerContext):
+        async for chunk in self._fetch(ADAPTER, request.version, request.chunk_bytes, context):
+            yield chunk
 
-    def _fetch(self, kind: str, version: int, chunk_bytes: int, context: grpc.ServicerContext):
+    async def _fetch(self, kind: str, version: int, chunk_bytes: int, context: grpc.aio.ServicerContext):
         what = "policy" if kind == POLICY else "adapter"
         if version < 0 or chunk_bytes < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version and chunk_bytes must be >= 0")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version and chunk_bytes must be >= 0")
         try:
-            manifest = self.store.manifest(kind, version)
+            manifest = await asyncio.to_thread(self.store.manifest, kind, version)
         except DamagedVersion as exc:
             manifest, damaged = None, str(exc)
         else:
             damaged = None
         if damaged is not None:
             log.error("refusing a fetch: %s", damaged)
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, damaged)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, damaged)
         if manifest is None:
             latest = self.store.latest(kind)
             asked = "latest" if version == 0 else f"version {version}"
-            context.abort(grpc.StatusCode.NOT_FOUND, f"{what} {asked} is not published (latest: {latest or 'none'})")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"{what} {asked} is not published (latest: {latest or 'none'})"
+            )
         size = min(chunk_bytes or self.default_chunk_bytes, self.max_chunk_bytes)
         yield weights_pb2.WeightChunk(manifest=_manifest_message(manifest))
         for entry in manifest.files:
@@ -73,13 +100,15 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
                 f = self.store.file_path(kind, manifest.version, entry).open("rb")
             except DamagedVersion as exc:
                 log.error("refusing a fetch: %s", exc)
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except FileNotFoundError:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"{what} version {manifest.version} was retired mid-fetch")
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"{what} version {manifest.version} was retired mid-fetch"
+                )
             with f:
                 offset = 0
-                while context.is_active():
-                    data = f.read(size)
+                while True:  # a caller gone cancels this coroutine at its next await
+                    data = await asyncio.to_thread(f.read, size)
                     if not data and offset > 0:
                         break
                     yield weights_pb2.WeightChunk(

@@ -103,6 +103,7 @@ class WeightStore:
         self.keep = keep
         self._cond = threading.Condition()
         self._closed = False
+        self._listeners: list[Callable[[], None]] = []
         self._latest: dict[str, int] = {}
         self._published: dict[str, set[int]] = {}
         for kind in (POLICY, ADAPTER):
@@ -222,6 +223,7 @@ class WeightStore:
             self._published[kind].add(version)
             self._latest[kind] = version
             self._cond.notify_all()
+        self._notify()
         self._retire(kind)
         return manifest
 
@@ -260,11 +262,26 @@ class WeightStore:
     def closed(self) -> bool:
         return self._closed
 
+    def add_listener(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` (from the publishing thread; it must not block) after every publish and at close."""
+        with self._cond:
+            self._listeners.append(wake)
+
+    def _notify(self) -> None:
+        with self._cond:
+            listeners = list(self._listeners)
+        for wake in listeners:
+            try:
+                wake()
+            except RuntimeError:  # a listener's event loop is closed: its server has stopped
+                pass
+
     def close(self) -> None:
         """Wake every watcher so streams end before the server stops."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+        self._notify()
 
 
 def gather_policy_state(model) -> dict:

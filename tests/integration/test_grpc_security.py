@@ -1,4 +1,7 @@
-"""The shared gRPC helpers on real loopback servers: service token on every call kind, open health, TLS."""
+"""The shared gRPC helpers on real loopback servers: service token on every call kind, open health, TLS.
+
+Both server kinds: the thread-pool one (grpc_server.build_server) and the asyncio one the services run
+(aio_server.AioServer)."""
 
 import datetime
 import ipaddress
@@ -15,6 +18,7 @@ from services.api.sparrow.v1 import (
     weights_pb2,
     weights_pb2_grpc,
 )
+from services.common.aio_server import AioServer
 from services.common.grpc_server import (
     GrpcSecurity,
     add_health_and_reflection,
@@ -33,13 +37,26 @@ class _Status(generator_pb2_grpc.GeneratorControlServicer):
         return generator_pb2.GetStatusResponse(generator_id="secured")
 
 
-def _serve(security: GrpcSecurity):
+class _AsyncStatus(generator_pb2_grpc.GeneratorControlServicer):
+    async def GetStatus(self, request, context):
+        return generator_pb2.GetStatusResponse(generator_id="secured")
+
+
+def _serve(security: GrpcSecurity, kind: str = "thread"):
+    """(a function that stops the server, its port)."""
+    if kind == "asyncio":
+        aio = AioServer(security, max_calls=8)
+        generator_pb2_grpc.add_GeneratorControlServicer_to_server(_AsyncStatus(), aio.server)
+        aio.add_health_and_reflection(["sparrow.v1.GeneratorControl"])
+        port = aio.bind("127.0.0.1:0")
+        aio.start()
+        return (lambda: aio.stop(0)), port
     server = build_server(security)
     generator_pb2_grpc.add_GeneratorControlServicer_to_server(_Status(), server)
     health = add_health_and_reflection(server, ["sparrow.v1.GeneratorControl"])
     port = bind(server, "127.0.0.1:0", security)
     server.start()
-    return server, health, port
+    return (lambda: stop_gracefully(server, health, 0)), port
 
 
 def _code(fn) -> grpc.StatusCode | None:
@@ -59,11 +76,11 @@ def _health(channel) -> int:
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
 
 
-@pytest.fixture
-def token_server():
-    server, health, port = _serve(GrpcSecurity(token=TOKEN))
+@pytest.fixture(params=["thread", "asyncio"])
+def token_server(request):
+    stop, port = _serve(GrpcSecurity(token=TOKEN), request.param)
     yield f"127.0.0.1:{port}"
-    stop_gracefully(server, health, 0)
+    stop()
 
 
 @pytest.mark.parametrize(
@@ -162,11 +179,12 @@ def _self_signed_openssl(tmp_path, name):
     return str(cert_path), str(key_path)
 
 
+@pytest.mark.parametrize("kind", ["thread", "asyncio"])
 @pytest.mark.parametrize("maker", ["cryptography", "openssl"])
-def test_tls_with_a_self_signed_certificate_and_the_token(tmp_path, maker):
+def test_tls_with_a_self_signed_certificate_and_the_token(tmp_path, maker, kind):
     cert, key = _self_signed(tmp_path, maker=maker)
     other_ca, _ = _self_signed(tmp_path, "someone-else", maker=maker)
-    server, health, port = _serve(GrpcSecurity(token=TOKEN, tls_cert=cert, tls_key=key))
+    stop, port = _serve(GrpcSecurity(token=TOKEN, tls_cert=cert, tls_key=key), kind)
     address = f"127.0.0.1:{port}"
     channels = {
         "tls+token": open_channel(address, GrpcSecurity(token=TOKEN, tls_ca=cert)),
@@ -183,7 +201,7 @@ def test_tls_with_a_self_signed_certificate_and_the_token(tmp_path, maker):
     finally:
         for channel in channels.values():
             channel.close()
-        stop_gracefully(server, health, 0)
+        stop()
 
 
 def test_a_server_with_tls_needs_both_certificate_and_key(tmp_path):

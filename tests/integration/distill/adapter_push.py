@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from services.api.sparrow.v1 import weights_pb2_grpc
-from services.common.grpc_server import GrpcSecurity, bind, build_server
+from services.common.aio_server import AioServer
+from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import FinishedSample
 from services.generator.metrics import GeneratorMetrics
 from services.generator.weight_fetch import ADAPTER, VersionSync, WeightFetcher
@@ -23,9 +24,9 @@ from trainer.batch import Rollout
 def weight_service(root: Path) -> Iterator[tuple[WeightStore, str]]:
     """The trainer's WeightStore served by its WeightServicer on a free loopback port: (store, address)."""
     store = WeightStore(root, keep=8)
-    server = build_server(GrpcSecurity())
-    weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(store, 1 << 14, 1 << 20), server)
-    port = bind(server, "127.0.0.1:0", GrpcSecurity())
+    server = AioServer(GrpcSecurity(), max_calls=64)
+    weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(store, 1 << 14, 1 << 20), server.server)
+    port = server.bind("127.0.0.1:0")
     server.start()
     try:
         yield store, f"127.0.0.1:{port}"

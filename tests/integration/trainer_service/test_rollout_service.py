@@ -11,14 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.api.sparrow.v1 import rollout_pb2, rollout_pb2_grpc
-from services.common.grpc_server import (
-    GrpcSecurity,
-    add_health_and_reflection,
-    bind,
-    build_server,
-    open_channel,
-    stop_gracefully,
-)
+from services.common.aio_server import AioServer
+from services.common.grpc_server import GrpcSecurity, open_channel
 from services.trainer.ledger import TRAINED, GroupLedger, GroupRecord
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.rollout_servicer import RolloutServicer
@@ -54,7 +48,7 @@ def _groups(count: int) -> list[GroupRecord]:
 
 
 @contextmanager
-def _server(tmp_path, security=PLAIN, max_message_bytes=4 << 20, groups=6):
+def _server(tmp_path, security=PLAIN, max_message_bytes=4 << 20, groups=6, max_calls=64):
     store, ledger = TrajectoryStore(tmp_path), GroupLedger(tmp_path)
     for record in _groups(groups):
         ledger.add(record)
@@ -63,15 +57,23 @@ def _server(tmp_path, security=PLAIN, max_message_bytes=4 << 20, groups=6):
         weights.publish(POLICY, v, lambda out: (out / "model.safetensors").write_bytes(b"w"))
     metrics = TrainerMetrics(2000, 20)
     servicer = RolloutServicer(store, ledger, WeightServicer(weights, 1 << 16, 1 << 20), Limits(521, 20), metrics)
-    server = build_server(security, max_workers=16, max_message_bytes=max_message_bytes)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
-    health = add_health_and_reflection(server, ["sparrow.v1.RolloutService"])
-    port = bind(server, "127.0.0.1:0", security)
+    server = AioServer(
+        security,
+        max_calls=max_calls,
+        max_message_bytes=max_message_bytes,
+        registry=metrics.registry,
+        component="trainer",
+    )
+    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
+    server.add_health_and_reflection(["sparrow.v1.RolloutService"])
+    port = server.bind("127.0.0.1:0")
     server.start()
     try:
-        yield SimpleNamespace(address=f"127.0.0.1:{port}", store=store, ledger=ledger, metrics=metrics, weights=weights)
+        yield SimpleNamespace(
+            address=f"127.0.0.1:{port}", store=store, ledger=ledger, metrics=metrics, weights=weights, server=server
+        )
     finally:
-        stop_gracefully(server, health, 0.5)
+        server.stop(0.5)
         store.close()
 
 

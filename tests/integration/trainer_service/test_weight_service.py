@@ -11,14 +11,8 @@ import pytest
 import torch
 
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
-from services.common.grpc_server import (
-    GrpcSecurity,
-    add_health_and_reflection,
-    bind,
-    build_server,
-    open_channel,
-    stop_gracefully,
-)
+from services.common.aio_server import AioServer
+from services.common.grpc_server import GrpcSecurity, open_channel
 from services.trainer.weight_servicer import WeightServicer
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
 from tests.integration.trainer_service.helpers import TINY, fetch_policy
@@ -37,15 +31,15 @@ def served(tmp_path):
     for version, model in ((1, base), (2, changed)):
         state = gather_policy_state(model)
         store.publish(POLICY, version, lambda out, m=model, s=state: save_hf_policy(m, s, out, TINY))
-    server = build_server(GrpcSecurity(), max_workers=8)
-    weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(store, 16 << 10, MAX_CHUNK), server)
-    health = add_health_and_reflection(server, ["sparrow.v1.WeightService"])
-    port = bind(server, "127.0.0.1:0", GrpcSecurity())
+    server = AioServer(GrpcSecurity(), max_calls=64)
+    weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(store, 16 << 10, MAX_CHUNK), server.server)
+    server.add_health_and_reflection(["sparrow.v1.WeightService"])
+    port = server.bind("127.0.0.1:0")
     server.start()
     channel = open_channel(f"127.0.0.1:{port}", GrpcSecurity())
     yield SimpleNamespace(channel=channel, store=store, base=base, changed=changed, tmp=tmp_path)
     store.close()
-    stop_gracefully(server, health, 0.5)
+    server.stop(0.5)
 
 
 def _same_weights(a, b) -> bool:
