@@ -1,6 +1,8 @@
 """What every Sparrow gRPC server and client shares: service tokens, optional TLS, health, reflection.
 
-Servers:
+Servers: the services (the trainer, a generator's control API) run the asyncio server of
+`aio_server.py`, whose open calls hold no thread and which refuses calls past a maximum. The
+thread-pool server here, one thread held per open call, serves small fixed loads (test stand-ins):
 
     server = build_server(GrpcSecurity(token="s3cret"), max_message_bytes=64 << 20)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
