@@ -117,3 +117,12 @@ class UpConfig(SparrowConfig):
         data = self.model_dump(mode="json")
         data.pop("token", None)
         return data
+
+
+def service_schemas() -> dict[str, type]:
+    """The schema of each service table ([trainer], [generator], [controller]): what `--set trainer.x=v` is typed by."""
+    from services.controller.config import ControllerConfig
+    from services.generator.config import GeneratorConfig
+    from services.trainer.config import TrainerServiceConfig
+
+    return {"trainer": TrainerServiceConfig, "generator": GeneratorConfig, "controller": ControllerConfig}
