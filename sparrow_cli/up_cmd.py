@@ -28,6 +28,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="quiet: one JSON object per step, then a summary")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     add_set_flag(p, "trainer.optim.lr=2e-6 --set controller.interval_s=2")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every service's config, the model, the ports and the trackers; print the plan; start nothing",
+    )
     p.set_defaults(handler=run)
 
 
@@ -58,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(config.dump_public(), sort_keys=True))
         return 0
 
+    if args.dry_run:
+        return _dry_run(config, args.json)
+
     from services.launcher.plan import SetupError
     from services.launcher.progress import JsonProgress, LiveProgress
     from services.launcher.run import run_up
@@ -81,6 +89,17 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and code == 0:
         _print_compare(summary, args.json)
     return code
+
+
+def _dry_run(config, as_json: bool) -> int:
+    from services.launcher.dry_run import DryRunError, dry_run, summary, text
+
+    try:
+        ctx = dry_run(config)
+    except DryRunError as exc:
+        raise CliError(str(exc)) from None
+    print(json.dumps(summary(ctx)) if as_json else "\n".join(text(ctx)))
+    return 0
 
 
 def _print_compare(summary: dict, as_json: bool) -> None:
