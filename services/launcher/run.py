@@ -316,8 +316,10 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
         log.info("run folder %s, config %s", plan.run_dir, json.dumps(up.dump_public()))
         if plan.build_model:
             build_model(plan, progress)
-        run.open_tracking()
         run.start()
+        # After the services are started: a tracker's thread importing its package while the launcher
+        # forks a child could leave the child deadlocked before exec (subprocess's preexec_fn).
+        run.open_tracking()
         run.supervise()
         outcome = COMPLETED
     except KeyboardInterrupt:

@@ -3,6 +3,9 @@
 import json
 import math
 import shutil
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +118,7 @@ def test_a_backend_that_fails_mid_run_is_reported_once_and_dropped_while_the_oth
     messages = []
     trackers = open_trackers(config, run_dir, {"up": {}}, messages.append)
     trackers.log_row(row(1))
+    trackers.flush()
     # The MLflow store is gone (a disk swapped out, a folder removed): a file stands where it was.
     shutil.rmtree(run_dir / "mlruns")
     (run_dir / "mlruns").write_text("not a folder")
@@ -126,6 +130,40 @@ def test_a_backend_that_fails_mid_run_is_reported_once_and_dropped_while_the_oth
     assert sorted(tensorboard_scalars(run_dir / "tensorboard")["train/reward"]) == [1, 2, 3]
 
 
+def test_a_tracking_server_that_never_answers_holds_up_neither_the_caller_nor_the_other_trackers(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # once released, fail at once
+    release = threading.Event()
+    accepted = threading.Event()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def hold():  # accepts MLflow's first request and answers nothing until released
+        conn, _ = server.accept()
+        accepted.set()
+        release.wait(60)
+        conn.close()
+        server.close()
+
+    threading.Thread(target=hold, daemon=True).start()
+    uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+    config = TrackingConfig(backends=["mlflow", "tensorboard"], mlflow={"tracking_uri": uri})
+    messages = []
+    trackers = open_trackers(config, tmp_path / "run", {}, messages.append)
+    assert accepted.wait(30)
+    for step in (1, 2, 3):
+        trackers.log_row(row(step))  # returns while MLflow's start is still waiting for its answer
+    deadline = time.monotonic() + 60
+    while sorted(tensorboard_scalars(tmp_path / "run" / "tensorboard").get("train/reward", {})) != [1, 2, 3]:
+        assert time.monotonic() < deadline, "TensorBoard never got the steps while MLflow was blocked"
+        time.sleep(0.1)
+    assert not release.is_set() and messages == []  # MLflow is still blocked: TensorBoard went on without it
+    release.set()
+    trackers.finish(None)
+    assert len(messages) == 1 and messages[0].startswith("tracking: mlflow failed to start"), messages
+    assert trackers.status["tensorboard"] == "ok" and trackers.status["mlflow"].startswith("disabled:")
+
+
 def test_a_backend_whose_folder_cannot_be_written_is_disabled_at_start(tmp_path):
     blocker = tmp_path / "blocker"
     blocker.write_text("a file, not a folder")
@@ -135,7 +173,7 @@ def test_a_backend_whose_folder_cannot_be_written_is_disabled_at_start(tmp_path)
     trackers = open_trackers(config, tmp_path / "run", {}, messages.append)
     trackers.log_row(row(1))
     trackers.finish(None)
-    assert [m.split(" failed")[0] for m in messages] == ["tracking: tensorboard", "tracking: wandb"]
+    assert sorted(m.split(" failed")[0] for m in messages) == ["tracking: tensorboard", "tracking: wandb"]
     assert set(trackers.status) == {"tensorboard", "wandb"}
     assert all(s.startswith("disabled:") for s in trackers.status.values())
     assert not list(tmp_path.glob("**/offline-run-*"))  # W&B did not fall back to another folder
@@ -164,3 +202,14 @@ def _png(tmp_path):
     path = tmp_path / "plot.png"
     Image.new("RGB", (16, 8), (200, 30, 30)).save(path)
     return path
+
+
+def test_the_two_arms_of_a_comparison_are_two_tracker_runs(tmp_path):
+    from services.launcher.compare import _tracking
+    from services.launcher.config import UpConfig
+
+    up = UpConfig(tracking={"backends": ["tensorboard", "wandb"], "tags": ["x"], "tensorboard": {"dir": "tb"}})
+    dense, sparse = (_tracking(up, tmp_path / "cmp", m) for m in ("dense", "sparse"))
+    assert (dense.run_name, sparse.run_name) == ("cmp-dense", "cmp-sparse")
+    assert dense.tags == ["x", "dense"] and sparse.tensorboard.dir == str(Path("tb") / "sparse")
+    assert dense.wandb.dir == "" and up.tracking.run_name == "" and up.tracking.tags == ["x"]
