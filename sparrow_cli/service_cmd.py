@@ -9,10 +9,23 @@ from sparrow_cli.errors import CliError
 
 
 def add_common_flags(p: argparse.ArgumentParser, config_example: str) -> None:
-    """--config, --log-level and --print-config, the same on every service command."""
+    """--config, --set, --log-level and --print-config, the same on every service command."""
     p.add_argument("--config", metavar="FILE", help=f"TOML config file (see {config_example})")
+    add_set_flag(p, "optim.lr=2e-6")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING (default INFO)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+
+
+def add_set_flag(p: argparse.ArgumentParser, example: str) -> None:
+    """--set KEY=VALUE, repeatable: one config field by its dotted key, typed by the config's schema."""
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"set one config field by its dotted key (repeatable; over the file, the environment and the flags), "
+        f"e.g. --set {example}",
+    )
 
 
 def run_service(args: argparse.Namespace, config_cls: type, flags: dict, main_module: str) -> int:
@@ -23,9 +36,11 @@ def run_service(args: argparse.Namespace, config_cls: type, flags: dict, main_mo
     import logging
 
     from sparrow.config import ConfigError, load_config
+    from sparrow.config_set import parse_set_flags
 
     try:
-        config = load_config(config_cls, args.config, {k: v for k, v in flags.items() if v is not None})
+        overrides = {k: v for k, v in flags.items() if v is not None} | parse_set_flags(config_cls, args.set)
+        config = load_config(config_cls, args.config, overrides)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     if args.print_config:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from sparrow_cli.errors import CliError
+from sparrow_cli.service_cmd import add_set_flag
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,13 +27,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--run-dir", metavar="DIR", help="the run folder, new or empty (run_dir)")
     p.add_argument("--json", action="store_true", help="quiet: one JSON object per step, then a summary")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    add_set_flag(p, "trainer.optim.lr=2e-6 --set controller.interval_s=2")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every service's config, the model, the ports and the trackers; print the plan; start nothing",
+    )
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config, check the input, run the cluster."""
-    from services.launcher.config import UpConfig
+    from services.launcher.config import UpConfig, service_schemas
     from sparrow.config import ConfigError, load_config
+    from sparrow.config_set import parse_set_flags
 
     if args.compare and args.dense:
         raise CliError("--compare runs dense and sparse itself; drop --dense")
@@ -47,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
         "run_dir": args.run_dir,
     }
     try:
-        config = load_config(UpConfig, args.config, {k: v for k, v in flags.items() if v is not None})
+        sets = parse_set_flags(UpConfig, args.set, service_schemas())
+        config = load_config(UpConfig, args.config, {k: v for k, v in flags.items() if v is not None} | sets)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
     from services.launcher.plan import SetupError, make_plan
@@ -62,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(str(exc)) from None
         print(json.dumps(config.dump_public(), sort_keys=True))
         return 0
+
+    if args.dry_run:
+        return _dry_run(config, args.json)
 
     from services.launcher.progress import JsonProgress, LiveProgress
     from services.launcher.run import run_up
@@ -85,6 +97,17 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and code == 0:
         _print_compare(summary, args.json)
     return code
+
+
+def _dry_run(config, as_json: bool) -> int:
+    from services.launcher.dry_run import DryRunError, dry_run, summary, text
+
+    try:
+        ctx = dry_run(config)
+    except DryRunError as exc:
+        raise CliError(str(exc)) from None
+    print(json.dumps(summary(ctx)) if as_json else "\n".join(text(ctx)))
+    return 0
 
 
 def _print_compare(summary: dict, as_json: bool) -> None:

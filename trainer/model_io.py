@@ -7,6 +7,7 @@ with random values, a tensor of the wrong shape, an extra one.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -121,3 +122,29 @@ def _check_weights_fit(folder: Path, stored: dict, wanted: dict, tied: bool) -> 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def check_model_folder(path: str | Path) -> str:
+    """What `load_model` and `load_tokenizer` would refuse, found without loading the weights (safetensors headers
+    only): ModelLoadError (one line), else a one-line summary of the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: no such model folder")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder}: missing config.json")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"{folder}/config.json: cannot read the config: {_one_line(exc)}") from None
+    stored = _stored_shapes(folder)
+    with torch.device("meta"):
+        wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    _check_weights_fit(folder, stored, wanted, getattr(config, "tie_word_embeddings", False))
+    tokenizer = load_tokenizer(folder)
+    params = sum(math.prod(shape) for shape in wanted.values())
+    return (
+        f"{getattr(config, 'model_type', '?')}, {params / 1e6:.1f}M parameters, "
+        f"{getattr(config, 'num_hidden_layers', '?')} layers, vocabulary {len(tokenizer)}"
+    )

@@ -28,7 +28,10 @@ def check_compare(up: UpConfig) -> tuple[Path, dict[str, UpConfig]]:
     """Check both runs' input before either starts (SetupError/ConfigError); (the root folder, each mode's config)."""
     root = Path(up.run_dir or default_run_dir()).resolve()
     require_fresh_run_dir(root)
-    ups = {m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m)}) for m in MODES}
+    ups = {
+        m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m), "tracking": _tracking(up, root, m)})
+        for m in MODES
+    }
     for mode in MODES:
         make_plan(ups[mode])
     return root, ups
@@ -46,6 +49,21 @@ def run_compare(up: UpConfig, progress_factory) -> tuple[int, dict]:
             return code, {"outcome": summaries[mode].get("outcome"), "error": summaries[mode].get("error"), **summaries}
     path, summary = build_compare_report(root)
     return 0, {"outcome": "completed", "error": None, "report": str(path), **summary}
+
+
+def _tracking(up: UpConfig, root: Path, mode: str):
+    """Each arm its own tracker run: <name>-dense and <name>-sparse, tagged with its mode, in its own folders."""
+    t = up.tracking
+    return t.model_copy(
+        update={
+            "run_name": f"{t.run_name or root.name}-{mode}",
+            "tags": [*t.tags, mode],
+            "tensorboard": t.tensorboard.model_copy(
+                update={"dir": str(Path(t.tensorboard.dir) / mode) if t.tensorboard.dir else ""}
+            ),
+            "wandb": t.wandb.model_copy(update={"dir": str(Path(t.wandb.dir) / mode) if t.wandb.dir else ""}),
+        }
+    )
 
 
 def compare_figures(root: Path) -> dict:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr
 
+from services.launcher.tracking.config import TrackingConfig
 from sparrow.config import ConfigSection, SparrowConfig
 
 LAUNCHER_DIR = Path(__file__).resolve().parent
@@ -89,6 +90,9 @@ class UpConfig(SparrowConfig):
     )
     ports: PortsConfig = Field(default_factory=PortsConfig, description="Loopback ports.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Waits and polling.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Experiment trackers (TensorBoard, W&B, MLflow) of the run."
+    )
     trainer: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the trainer's config (services/trainer/trainer.toml keys)."
     )
@@ -113,3 +117,12 @@ class UpConfig(SparrowConfig):
         data = self.model_dump(mode="json")
         data.pop("token", None)
         return data
+
+
+def service_schemas() -> dict[str, type]:
+    """The schema of each service table ([trainer], [generator], [controller]): what `--set trainer.x=v` is typed by."""
+    from services.controller.config import ControllerConfig
+    from services.generator.config import GeneratorConfig
+    from services.trainer.config import TrainerServiceConfig
+
+    return {"trainer": TrainerServiceConfig, "generator": GeneratorConfig, "controller": ControllerConfig}

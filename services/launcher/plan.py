@@ -112,6 +112,10 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
         if needed and shutil.which(binary) is None:
             raise SetupError(f"{binary} is not installed (scripts/setup.sh installs it), or give its URL in the config")
     require_fresh_run_dir(run_dir)
+    from services.launcher.tracking.factory import missing_backends
+
+    for missing in missing_backends(up.tracking):  # a tracker named but not installed: told before the run
+        raise SetupError(missing)
     model_dir, build = model_folder(up)
     schedule, schedule_file = load_schedule(up)
     if up.cost_hardware.lower() != "cpu":  # "cpu" is measured when first needed; the presets are known now

@@ -28,6 +28,8 @@ from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
 from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
 from services.launcher.services import prompt_tokens
+from services.launcher.tracking.base import Trackers
+from services.launcher.tracking.factory import open_trackers
 
 log = logging.getLogger("sparrow.up")
 
@@ -147,6 +149,7 @@ class UpRun:
         self.exits: list[dict] = []
         self.started = time.monotonic()
         self._redis = None
+        self.trackers = Trackers([])
 
     def redis(self):
         if self._redis is None:
@@ -224,6 +227,7 @@ class UpRun:
         for row in rows:
             log.info("step %d: reward %s p5 %s", row["step"], row["reward"], row["p5"])
             self.progress.step(row)
+            self.trackers.log_row(row)
         return bool(rows)
 
     def finish(self, outcome: str, error: str | None) -> dict:
@@ -274,7 +278,25 @@ class UpRun:
             except (ReportError, OSError, ValueError) as exc:  # the run's data is kept; `sparrow report` can retry
                 log.error("no report: %s", exc)
             (p.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
+        self.trackers.finish(Path(summary["report"]).parent if summary["report"] else None)
+        if self.trackers.status:
+            summary["tracking"] = self.trackers.status
+            (p.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=1) + "\n")
         return summary
+
+    def open_tracking(self) -> None:
+        """The trackers of `[tracking]`, given the resolved config of the run and of every service."""
+        p = self.plan
+        if not p.up.tracking.backends:
+            return
+        c = p.children
+        config = {
+            "up": p.up.dump_public(),
+            "trainer": c.trainer.model_dump(mode="json"),
+            "generator": c.generators[0].model_dump(mode="json"),
+            "controller": c.controller.model_dump(mode="json") if c.controller is not None else None,
+        }
+        self.trackers = open_trackers(p.up.tracking, p.run_dir, config, self.progress.event)
 
 
 def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple[int, dict]:
@@ -295,6 +317,9 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
         if plan.build_model:
             build_model(plan, progress)
         run.start()
+        # After the services are started: a tracker's thread importing its package while the launcher
+        # forks a child could leave the child deadlocked before exec (subprocess's preexec_fn).
+        run.open_tracking()
         run.supervise()
         outcome = COMPLETED
     except KeyboardInterrupt:

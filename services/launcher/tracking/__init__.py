@@ -1,0 +1,1 @@
+"""Experiment tracking of a `sparrow up` run: TensorBoard, W&B and MLflow behind one small interface."""
