@@ -131,3 +131,20 @@ def test_one_more_check_sees_what_the_checks_before_it_found(tmp_path):
     ctx = dry_run(_up(set={"trainer.task.pairs": 3}), tmp_path / "run", [*CHECKS, Check("prompts", check_prompts)])
     assert ctx.results[-1] == {"check": "prompts", "ok": True, "detail": "3 pairs"} and seen == {"pairs": 3}
     assert [p["process"] for p in processes(ctx)][-1] == "trainer"
+
+
+def test_a_sharded_bf16_checkpoint_passes_and_a_missing_shard_is_named(tmp_path):
+    import torch
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+
+    sharded = tmp_path / "qwen3-sharded"
+    model = Qwen3ForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16)
+    model.save_pretrained(sharded, max_shard_size="20KB")  # how a Qwen3 checkpoint arrives: index + shards
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("model-*"))) > 2
+    ctx = dry_run(_up(model_dir=str(sharded)), tmp_path / "run")
+    assert ctx.results[2]["check"] == "model" and "4 layers" in ctx.results[2]["detail"]
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(DryRunError, match=rf"^model: model folder .*: missing weight shard {shard.name}"):
+        dry_run(_up(model_dir=str(sharded)), tmp_path / "run")
