@@ -93,6 +93,8 @@ class Jail:
         out = self.run(runtime, b"pass\n", b"", Limits(timeout_s=20))
         if out.status != "ok":
             why = (out.detail or out.stderr.decode("utf-8", "replace")).strip().splitlines()
+            if self.insecure_local:
+                raise JailError(f"runtime {runtime.name} cannot run a program: {why[-1] if why else out.status}")
             raise JailError(
                 "bubblewrap cannot run a jail here "
                 f"({why[-1] if why else out.status}); it needs user namespaces (kernel.unprivileged_userns_clone=1,"
@@ -104,6 +106,8 @@ class Jail:
         fd = os.memfd_create("program", os.MFD_CLOEXEC)
         status_r, status_w = os.pipe()
         workdir = tempfile.mkdtemp(prefix="sparrow-sandbox-") if self.insecure_local else None
+        if workdir is not None and self.uid is not None:
+            os.chown(workdir, self.uid, self.uid)
         try:
             os.write(fd, source)
             os.lseek(fd, 0, os.SEEK_SET)
