@@ -117,14 +117,11 @@ class Jail:
             else:
                 argv, cwd = self._bwrap_argv(runtime, fd, status_w, limits), "/"
                 pass_fds = (fd, status_w)
-            return self._execute(argv, cwd, pass_fds, stdin, limits, runtime, status_r, status_w)
+            return self._execute(argv, cwd, pass_fds, stdin, limits, runtime, status_r)
         finally:
-            for f in (fd, status_r):
+            # each closed exactly once: in a threaded service a second close could hit another run's new fd
+            for f in (fd, status_r, status_w):
                 os.close(f)
-            try:
-                os.close(status_w)
-            except OSError:
-                pass  # closed once the child had it
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
 
@@ -175,7 +172,7 @@ class Jail:
             self._limits_argv(limits) + self._command(runtime, path)
         )
 
-    def _execute(self, argv, cwd, pass_fds, stdin, limits, runtime, status_r, status_w) -> Outcome:
+    def _execute(self, argv, cwd, pass_fds, stdin, limits, runtime, status_r) -> Outcome:
         start = time.monotonic()
         try:
             proc = subprocess.Popen(
@@ -193,7 +190,6 @@ class Jail:
             )
         except OSError as exc:
             return Outcome("sandbox_error", None, None, 0.0, 0.0, 0, b"", b"", f"cannot start the jail: {exc}")
-        os.close(status_w)
         writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
         writer.start()
         deadline = start + limits.timeout_s

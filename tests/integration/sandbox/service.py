@@ -26,10 +26,10 @@ def sparrow_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def sandbox_service(*flags: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+def sandbox_service(*flags: str, env: dict[str, str] | None = None, port: int | None = None) -> Iterator[Server]:
     """`sparrow sandbox` started with `flags` and SPARROW_SECURITY__TOKEN set; stopped (SIGTERM) after."""
     require_binary("bwrap")
-    port = free_port()
+    port = port or free_port()
     with tempfile.TemporaryDirectory(prefix="sparrow-sandbox-svc-") as tmp:
         log = Path(tmp) / "sandbox.log"
         cmd = [sys.executable, "-m", "sparrow_cli.main", "sandbox", "--port", str(port), *flags]
