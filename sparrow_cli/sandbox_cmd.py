@@ -77,7 +77,7 @@ def run_exec(args: argparse.Namespace) -> int:
 
     try:
         runtime = get_runtime(args.language)
-        jail = Jail(config.jail.bwrap, config.jail.uid, config.jail.insecure_local)
+        jail = Jail(config.jail.bwrap, config.jail.uid, config.jail.insecure_local, config.jail.proc)
         if jail.insecure_local:
             print(f"sparrow sandbox exec: warning: {INSECURE_WARNING}", file=sys.stderr)
         else:

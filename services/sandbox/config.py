@@ -15,6 +15,11 @@ class JailConfig(ConfigSection):
     uid: int = Field(
         65534, ge=1, description="Unprivileged uid (and gid) programs run as when the service runs as root (nobody)."
     )
+    proc: bool = Field(
+        True,
+        description="Mount a fresh /proc of the jail's PID namespace; off in containers whose runtime masks /proc "
+        "(Docker's and Kubernetes' default), where the mount is refused: the jail then has no /proc.",
+    )
     insecure_local: bool = Field(
         False,
         description="Development only: run programs unjailed (same rlimits, empty environment, but the host's "

@@ -76,8 +76,8 @@ class Outcome:
 class Jail:
     """Runs programs of a runtime in bubblewrap (or, with `insecure_local`, unjailed but limited)."""
 
-    def __init__(self, bwrap: str = "bwrap", uid: int = 65534, insecure_local: bool = False) -> None:
-        self.insecure_local = insecure_local
+    def __init__(self, bwrap: str = "bwrap", uid: int = 65534, insecure_local: bool = False, proc: bool = True) -> None:
+        self.insecure_local, self.proc = insecure_local, proc
         self.bwrap = shutil.which(bwrap) if not insecure_local else None
         self.prlimit = shutil.which("prlimit", path="/usr/bin:/bin")
         self.uid = uid if os.geteuid() == 0 else None
@@ -155,7 +155,10 @@ class Jail:
                 argv += ["--symlink", os.readlink(top), top]
             elif os.path.isdir(top):
                 argv += ["--ro-bind", top, top]
-        argv += ["--proc", "/proc", "--dev", "/dev"]
+        # A fresh procfs of the jail's own PID namespace; container runtimes that mask parts of their /proc
+        # (Docker's and Kubernetes' default) refuse this mount, and the jail then has no /proc at all.
+        argv += ["--proc", "/proc"] if self.proc else []
+        argv += ["--dev", "/dev"]
         argv += ["--size", str(limits.tmpfs_mb << 20), "--tmpfs", "/tmp"]
         argv += ["--perms", "0444", "--ro-bind-data", str(fd), f"/sandbox/{runtime.source_name}"]
         argv += ["--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]

@@ -24,7 +24,7 @@ class SetupError(ValueError):
 def build_jail(config: SandboxConfig) -> Jail:
     """The jail of the config, checked once per runtime; SetupError where bubblewrap cannot run."""
     try:
-        jail = Jail(config.jail.bwrap, config.jail.uid, config.jail.insecure_local)
+        jail = Jail(config.jail.bwrap, config.jail.uid, config.jail.insecure_local, config.jail.proc)
         if jail.insecure_local:
             log.warning(INSECURE_WARNING)
         installed = [r for r in RUNTIMES.values() if r.interpreter() is not None]

@@ -74,3 +74,9 @@ def test_an_unknown_language_is_named():
 def test_no_bubblewrap_refuses_in_one_line():
     with pytest.raises(JailError, match="bubblewrap .* is not installed"):
         Jail(bwrap="no-such-bwrap-binary")
+
+
+def test_without_proc_the_jail_has_no_proc_and_still_runs():
+    require_binary("bwrap")
+    out = Jail(proc=False).run(PYTHON3, b"import os; print(os.path.exists('/proc/self'), os.getpid())", b"", LIMITS)
+    assert out.status == "ok" and out.stdout.split()[0] == b"False"
