@@ -5,7 +5,8 @@ the trainer's reward worker processes (services/trainer/reward_pool.py), which c
 trajectories arrive. The tests come from `extras["tests"]` or `extras["input_output"]` (a row's
 extra_info) or else `ground_truth`: TACO/APPS input_output or LiveCodeBench cases, object or JSON text.
 Settings come from `[reward.options.code]` (`extras["options"]`, fields of `CodeRewardOptions`), the
-token from SPARROW_SANDBOX_TOKEN in the trainer's environment.
+token from CODE_SANDBOX_TOKEN in the trainer's
+environment (and the URL from CODE_SANDBOX_URL when the options name none; the Helm chart sets both).
 
 A response without a code block scores 0 (not an error); a sandbox that is down or busy is waited for
 and retried up to `retry_s`, then the call raises, so the trainer counts an error instead of a silent 0.
@@ -22,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.sandbox.client import SandboxClient
 from services.sandbox.testcases import parse_tests
 
-TOKEN_ENV = "SPARROW_SANDBOX_TOKEN"
+# not SPARROW_*: that prefix names config fields of the process that reads it (here, the trainer's)
+TOKEN_ENV = "CODE_SANDBOX_TOKEN"
+URL_ENV = "CODE_SANDBOX_URL"
+DEFAULT_URL = "http://127.0.0.1:8490"
 _FENCE = re.compile(r"^[ \t]*(`{3,}|~{3,})[ \t]*([\w+#.-]*)[^\n]*\n(.*?)^[ \t]*\1[ \t]*$", re.M | re.S)
 _LANGUAGE_TAGS = {"python3": {"", "python", "python3", "py", "py3"}}
 
@@ -32,7 +36,9 @@ class CodeRewardOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
-    url: str = Field("http://127.0.0.1:8490", description="The sandbox service's base URL.")
+    url: str | None = Field(
+        None, description="The sandbox service's base URL (default: CODE_SANDBOX_URL, else http://127.0.0.1:8490)."
+    )
     language: str = Field("python3", description="Runtime the programs are written for.")
     score: Literal["fraction", "all"] = Field(
         "fraction", description="fraction: the pass fraction; all: 1 when every case passes, else 0."
@@ -64,9 +70,10 @@ _clients: dict[tuple[str, str | None, float], SandboxClient] = {}
 
 def _client(options: CodeRewardOptions) -> SandboxClient:
     # One client (one connection pool) per worker process and sandbox.
-    key = (options.url, os.environ.get(TOKEN_ENV), options.retry_s)
+    url = options.url or os.environ.get(URL_ENV) or DEFAULT_URL
+    key = (url, os.environ.get(TOKEN_ENV), options.retry_s)
     if key not in _clients:
-        _clients[key] = SandboxClient(options.url, key[1], retry_s=options.retry_s)
+        _clients[key] = SandboxClient(url, key[1], retry_s=options.retry_s)
     return _clients[key]
 
 
