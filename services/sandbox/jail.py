@@ -193,18 +193,23 @@ class Jail:
             )
         except OSError as exc:
             return Outcome("sandbox_error", None, None, 0.0, 0.0, 0, b"", b"", f"cannot start the jail: {exc}")
-        writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
-        writer.start()
-        deadline = start + limits.timeout_s
-        out, err, why = _drain(proc, deadline, limits.max_output_bytes)
-        if why:
-            _kill(proc)
-        wait_status, usage = _reap(proc, deadline)
-        if wait_status is None:  # the pipes closed but the jail outlived the deadline (closed its own stdout)
-            why = "timeout"
-            _kill(proc)
-            _, wait_status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(wait_status)  # Popen must not wait for it again
+        try:
+            writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
+            writer.start()
+            deadline = start + limits.timeout_s
+            out, err, why = _drain(proc, deadline, limits.max_output_bytes)
+            if why:
+                _kill(proc)
+            wait_status, usage = _reap(proc, deadline)
+            if wait_status is None:  # the pipes closed but the jail outlived the deadline (closed its own stdout)
+                why = "timeout"
+                _kill(proc)
+                _, wait_status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(wait_status)  # Popen must not wait for it again
+        finally:
+            if proc.returncode is None:  # an error of ours mid-run: the jail must not outlive it
+                _kill(proc)
+                proc.wait()
         elapsed = time.monotonic() - start
         writer.join(timeout=1)
         cpu = usage.ru_utime + usage.ru_stime

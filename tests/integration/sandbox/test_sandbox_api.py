@@ -115,3 +115,33 @@ def test_the_service_refuses_to_start_where_bubblewrap_cannot_run():
     with sandbox_service("--workers", "1", env=env) as server:
         assert post_run(server, {"code": GOOD, "tests": ADD}).json()["status"] == "passed"
         assert "UNJAILED" in server.log.read_text()
+
+
+def test_a_service_killed_mid_run_leaves_no_jail_behind():
+    import os
+    import signal
+    import time
+
+    from tests.integration.sandbox.test_hostile_programs import _jailed_processes
+
+    with sandbox_service("--workers", "1") as server:
+        sleeper = {"code": "import time; time.sleep(1000)", "tests": {"inputs": [""], "outputs": [""]}, "timeout_s": 20}
+        t = threading.Thread(target=lambda: _swallow(lambda: post_run(server, sleeper, timeout=30)), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 10
+        while not _jailed_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _jailed_processes(), "the program never started"
+        os.kill(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        deadline = time.monotonic() + 2
+        while _jailed_processes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _jailed_processes() == []
+
+
+def _swallow(call):
+    try:
+        call()
+    except httpx.HTTPError:
+        pass  # the service was killed under the request: that is the test

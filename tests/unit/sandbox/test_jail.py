@@ -80,3 +80,33 @@ def test_without_proc_the_jail_has_no_proc_and_still_runs():
     require_binary("bwrap")
     out = Jail(proc=False).run(PYTHON3, b"import os; print(os.path.exists('/proc/self'), os.getpid())", b"", LIMITS)
     assert out.status == "ok" and out.stdout.split()[0] == b"False"
+
+
+def test_an_error_of_ours_mid_run_kills_the_jail(jail, monkeypatch):
+    import os
+    import time
+
+    import services.sandbox.jail as jail_module
+
+    def broken_drain(proc, deadline, cap):
+        time.sleep(0.5)  # the program is running by now
+        raise RuntimeError("bug in the reader")
+
+    monkeypatch.setattr(jail_module, "_drain", broken_drain)
+    with pytest.raises(RuntimeError, match="bug in the reader"):
+        run(jail, "import time; time.sleep(1000)")
+
+    def alive() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if b"/sandbox/main.py" in open(f"/proc/{pid}/cmdline", "rb").read():
+                    found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    deadline = time.monotonic() + 1  # the kernel empties the PID namespace once its init is gone
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert alive() == []
