@@ -61,6 +61,9 @@ class RunResponse(BaseModel):
     status: str = Field(description="passed when every case passed, else the first other case's status.")
     passed: int
     total: int
+    not_run: int = Field(
+        description="Cases not run: after a stop at the first failure, a compile error or max_request_s."
+    )
     pass_fraction: float
     cases: list[CaseOut]
 
@@ -147,6 +150,7 @@ def create_app(config: SandboxConfig, jail: Jail, metrics: SandboxMetrics | None
                 stop_on_first_failure=req.stop_on_first_failure,
                 keep_bytes=limits.keep_bytes,
                 float_tolerance=req.float_tolerance,
+                budget_s=limits.max_request_s,
             )
 
         try:
@@ -165,6 +169,7 @@ def create_app(config: SandboxConfig, jail: Jail, metrics: SandboxMetrics | None
             status=first_bad or "passed",
             passed=result.passed,
             total=result.total,
+            not_run=result.total - len(result.cases),
             pass_fraction=result.pass_fraction,
             cases=[CaseOut(**c.to_dict()) for c in result.cases],
         )

@@ -32,6 +32,9 @@ class LimitsConfig(ConfigSection):
 
     timeout_s: float = Field(10.0, gt=0, description="Wall-clock seconds per test case when a request names none.")
     max_timeout_s: float = Field(30.0, gt=0, description="Largest per-case timeout a request may ask for (over: 422).")
+    max_request_s: float = Field(
+        120.0, gt=0, description="Wall-clock seconds all cases of one request may take; cases left count as failed."
+    )
     memory_mb: int = Field(1024, ge=16, description="Address-space limit per case (MiB) when a request names none.")
     max_memory_mb: int = Field(4096, ge=16, description="Largest address-space limit a request may ask for (MiB).")
     max_processes: int = Field(32, ge=1, description="Processes and threads one program may have at once.")

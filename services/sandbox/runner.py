@@ -5,7 +5,8 @@ The expected outputs never enter the jail; the program sees only the case's stdi
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import time
+from dataclasses import asdict, dataclass, replace
 
 from services.sandbox.compare import stdout_matches, value_matches
 from services.sandbox.harness import call_input, call_program, call_result
@@ -107,12 +108,25 @@ def run_suite(
     stop_on_first_failure: bool = False,
     keep_bytes: int = 1024,
     float_tolerance: float | None = None,
+    budget_s: float | None = None,
 ) -> SuiteResult:
-    """Run every case (until the first that does not pass, with `stop_on_first_failure`)."""
+    """Run every case (until the first that does not pass, with `stop_on_first_failure`).
+
+    `budget_s` bounds the whole suite: a program that times out on every one of many cases would
+    otherwise hold a worker for cases x timeout. The case running when it ends gets only what is left;
+    cases not run count as not passed.
+    """
     program = (call_program(source, suite.fn_name) if suite.fn_name is not None else source).encode()
     results: list[CaseResult] = []
+    end = time.monotonic() + budget_s if budget_s is not None else None
     for i in range(len(suite.cases)):
-        result = run_case(jail, runtime, program, suite, i, limits, keep_bytes, float_tolerance)
+        case_limits = limits
+        if end is not None:
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            case_limits = replace(limits, timeout_s=min(limits.timeout_s, left))
+        result = run_case(jail, runtime, program, suite, i, case_limits, keep_bytes, float_tolerance)
         results.append(result)
         # a program that does not compile fails every case the same way: no need to start it again
         if result.status == "compile_error" or (stop_on_first_failure and result.status != "passed"):

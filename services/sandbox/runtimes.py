@@ -1,9 +1,9 @@
 """The table of runtimes a program may be written for: how it is run, what of the host it needs to see.
 
-A runtime names an interpreter (or a compiler and the binary it makes) and the host paths the jail binds
-read-only for it. Everything else of the host stays out of the jail. Python 3 is the first entry; a
-compiled language adds a `compile` command, run once per program in the same jail, whose failure is a
-`compile_error`.
+A runtime names an interpreter and the host paths the jail binds read-only for it. Everything else of
+the host stays out of the jail. Python 3 is the only entry so far; an interpreted language is one more
+entry. A compiled one also needs a compile step run once per program in the jail, with the binary kept
+between its test cases (not built yet).
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ class Runtime:
     """host paths of the interpreter, first existing wins (it must lie under one of `binds`)"""
     binds: tuple[str, ...] = ("/usr",)
     """host folders bound read-only (only those that exist); merged-/usr systems link /bin and /lib into it"""
-    compile: tuple[str, ...] | None = None
-    """command run once before the tests (compiled languages); None for interpreters"""
     compile_error: re.Pattern[str] | None = None
     """a run whose stderr ends with this, and exit status 1, never started: `compile_error`"""
     memory_error: re.Pattern[str] = field(default=re.compile(r"MemoryError|Cannot allocate memory|bad_alloc"))

@@ -114,3 +114,10 @@ def test_stop_on_first_failure_stops_and_call_output_is_kept_apart(jail):
     assert [c.status for c in result.cases] == ["failed"] and result.pass_fraction == 0.0
     result = run_suite(jail, PYTHON3, GOOD_CALL, parse_tests(ADD_CALL), LIMITS)
     assert result.cases[0].stdout == "debug\n"
+
+
+def test_a_budget_bounds_the_whole_suite(jail):
+    suite = parse_tests({"inputs": [""] * 10, "outputs": ["x"] * 10})
+    result = run_suite(jail, PYTHON3, "import time; time.sleep(100)", suite, Limits(timeout_s=1), budget_s=1.5)
+    assert [c.status for c in result.cases] == ["timeout", "timeout"] and result.total == 10
+    assert result.cases[1].elapsed_s < 0.8 and result.pass_fraction == 0.0
