@@ -1,8 +1,9 @@
-"""Container health check of a Sparrow service: `python healthcheck.py generator|trainer|controller`.
+"""Container health check of a Sparrow service: `python healthcheck.py generator|trainer|controller|sandbox`.
 
 The trainer and the generator answer the standard gRPC health check on their service port (open
 without the service token); with TLS configured, where a loopback check could not verify the
-server's name, their Prometheus exporter must answer instead. The controller answers GET /healthz.
+server's name, their Prometheus exporter must answer instead. The controller and the sandbox answer
+GET /healthz.
 Ports come from the same SPARROW_* variables the services read, so the check follows a changed port.
 Exit status 0 when healthy, 1 otherwise, with one line saying why.
 """
@@ -19,6 +20,7 @@ PORTS = {
     "generator": ("SPARROW_CONTROL__PORT", 50052, "SPARROW_METRICS__PORT", 9102),
     "trainer": ("SPARROW_GRPC__ADDRESS", 50051, "SPARROW_METRICS__PORT", 9101),
     "controller": ("SPARROW_API__PORT", 8470, "SPARROW_API__PORT", 8470),
+    "sandbox": ("SPARROW_API__PORT", 8490, "SPARROW_API__PORT", 8490),
 }
 TIMEOUT_S = 4.0
 
@@ -49,7 +51,7 @@ def grpc_serving(address: str) -> None:
 def check(component: str) -> None:
     """Raises when `component` on this host is not healthy."""
     service_var, service_default, metrics_var, metrics_default = PORTS[component]
-    if component == "controller":
+    if component in ("controller", "sandbox"):
         http_ok(f"http://127.0.0.1:{port(service_var, service_default)}/healthz")
     elif os.environ.get("SPARROW_SECURITY__TLS_CERT"):
         http_ok(f"http://127.0.0.1:{port(metrics_var, metrics_default)}/metrics")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv at the repo root and installs everything the project needs:
-# Debian packages (redis-server, prometheus) and the Python packages in pyproject.toml.
+# Debian packages (redis-server, prometheus, bubblewrap) and the Python packages in pyproject.toml.
 # Idempotent: a stamp keyed on the dependency files skips the pip step when nothing changed.
 set -euo pipefail
 
@@ -10,6 +10,8 @@ cd "$root"
 need_apt=()
 command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
+# the code sandbox's jail (services/sandbox/jail.py)
+command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi

@@ -105,6 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--hold", type=float, default=5.0, help="seconds every call stays open and idle (5)")
     s.add_argument("--max-calls", type=int, default=None, help="the server's grpc.max_calls (2 x generators + 64)")
     s.add_argument("--json", action="store_true", help="print JSON (the figures are JSON either way)")
+    from sparrow_cli.bench_sandbox_cmd import add_sandbox_parser
+
+    add_sandbox_parser(sub)
     p.set_defaults(handler=run)
 
 
@@ -124,6 +127,10 @@ def run(args: argparse.Namespace) -> int:
         return _heldout(args)
     if args.bench == "trainer-streams":
         return _trainer_streams(args)
+    if args.bench == "sandbox":
+        from sparrow_cli.bench_sandbox_cmd import run_sandbox_bench
+
+        return run_sandbox_bench(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 

@@ -86,6 +86,10 @@ The image of a component: call with (dict "ctx" $ "image" .Values.generator.imag
 {{- printf "%s-controller" (include "sparrow.fullname" .) }}
 {{- end }}
 
+{{- define "sparrow.sandbox.fullname" -}}
+{{- printf "%s-sandbox" (include "sparrow.fullname" .) }}
+{{- end }}
+
 {{- define "sparrow.redis.fullname" -}}
 {{- printf "%s-redis" (include "sparrow.fullname" .) }}
 {{- end }}
@@ -195,6 +199,35 @@ same names (a test compares them).
   value: {{ .Values.model.dir | quote }}
 {{- end }}
 {{ include "sparrow.securityEnv" . }}
+{{- if .Values.sandbox.enabled }}
+# the code reward's sandbox, called from the trainer's reward workers with the service token
+- name: CODE_SANDBOX_URL
+  value: {{ printf "http://%s:%d" (include "sparrow.sandbox.fullname" .) (int .Values.sandbox.port) | quote }}
+- name: CODE_SANDBOX_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sparrow.secretName" . }}
+      key: service-token
+{{- end }}
+{{- end }}
+
+{{- /* Sandbox environment: where to listen, the pool, the jail in a container. compose sets the same names. */}}
+{{- define "sparrow.sandbox.env" -}}
+- name: SPARROW_API__HOST
+  value: "0.0.0.0"
+- name: SPARROW_API__PORT
+  value: {{ .Values.sandbox.port | quote }}
+- name: SPARROW_POOL__WORKERS
+  value: {{ .Values.sandbox.workers | quote }}
+- name: SPARROW_POOL__QUEUE_LIMIT
+  value: {{ .Values.sandbox.queueLimit | quote }}
+- name: SPARROW_JAIL__PROC
+  value: "false"
+- name: SPARROW_SECURITY__TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sparrow.secretName" . }}
+      key: service-token
 {{- end }}
 
 {{- define "sparrow.controller.env" -}}

@@ -25,6 +25,7 @@ ALL_ON_HPA: dict[str, Any] = {
     "generator": {"autoscaling": {"hpa": {"enabled": True}}, "config": {"engine": {"gpu_memory_utilization": 0.85}}},
     "trainer": {"config": {"steps": 100}},
     "controller": {"config": {"interval_s": 15.0}},
+    "sandbox": {"enabled": True, "autoscaling": {"hpa": {"enabled": True}}},
     "monitoring": MONITORING_ON,
     "networkPolicy": {"enabled": True, "controllerApiFrom": [{"namespaceSelector": {"matchLabels": {"team": "rl"}}}]},
     "security": {"tls": {"enabled": True, "cert": "CERT PEM", "key": "KEY PEM", "ca": "CA PEM"}},
@@ -32,6 +33,7 @@ ALL_ON_HPA: dict[str, Any] = {
 }
 ALL_ON_KEDA: dict[str, Any] = {
     "generator": {"autoscaling": {"keda": {"enabled": True}}},
+    "sandbox": {"enabled": True},
     "monitoring": MONITORING_ON_PODS,
     "networkPolicy": {"enabled": True},
     "security": {"tls": {"enabled": True, "existingSecret": "sparrow-tls"}, "existingSecret": "sparrow-tokens"},

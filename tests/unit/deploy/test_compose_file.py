@@ -56,7 +56,7 @@ def test_the_schema_refuses_a_broken_compose_file():
 
 def test_services_and_scalable_generator():
     services = compose()["services"]
-    assert set(services) == {"redis", "prometheus", "grafana", "trainer", "controller", "generator"}
+    assert set(services) == {"redis", "prometheus", "grafana", "trainer", "controller", "generator", "sandbox"}
     generator = services["generator"]
     # `docker compose up --scale generator=N` needs no fixed name and no host port.
     assert "container_name" not in generator and "ports" not in generator

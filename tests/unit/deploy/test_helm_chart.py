@@ -178,7 +178,7 @@ def test_optional_kinds_appear_only_when_enabled():
     for kind in ("HorizontalPodAutoscaler", "ServiceMonitor", "PrometheusRule", "NetworkPolicy"):
         assert kind in hpa
     assert "PodMonitor" not in hpa
-    assert hpa.count("NetworkPolicy") == 4 and hpa.count("Secret") == 2  # tokens + TLS
+    assert hpa.count("NetworkPolicy") == 5 and hpa.count("Secret") == 2  # tokens + TLS
     keda = kinds(ALL_ON_KEDA)
     assert "ScaledObject" in keda and "HorizontalPodAutoscaler" not in keda
     assert "PodMonitor" in keda and "ServiceMonitor" not in keda
@@ -199,7 +199,7 @@ def test_labels_names_and_namespace(variant):
     for kind in ("Deployment", "StatefulSet"):
         for workload in find(objects(VARIANTS[variant]), kind):
             component = workload["metadata"]["labels"]["app.kubernetes.io/component"]
-            assert component in {"generator", "trainer", "controller", "redis"}
+            assert component in {"generator", "trainer", "controller", "redis", "sandbox"}
             selector = workload["spec"]["selector"]["matchLabels"]
             assert selector["app.kubernetes.io/component"] == component
             assert selector.items() <= workload["spec"]["template"]["metadata"]["labels"].items()
@@ -230,7 +230,7 @@ def test_generator_replicas_are_left_to_the_autoscaler():
     for values in (ALL_ON_HPA, ALL_ON_KEDA):
         (scaled,) = find(objects(values), "Deployment", "generator")
         assert "replicas" not in scaled["spec"]
-    (hpa,) = find(objects(ALL_ON_HPA), "HorizontalPodAutoscaler")
+    (hpa,) = find(objects(ALL_ON_HPA), "HorizontalPodAutoscaler", "generator")
     assert hpa["spec"]["scaleTargetRef"]["name"] == plain["metadata"]["name"]
     external = hpa["spec"]["metrics"][0]["external"]
     assert external["metric"]["name"] == "sparrow_generator_queue_outstanding_entries"
@@ -280,7 +280,7 @@ def test_services_and_monitors_select_what_exists():
 def test_network_policies_let_only_the_services_in():
     objs = objects(ALL_ON_KEDA)
     policies = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in find(objs, "NetworkPolicy")}
-    assert set(policies) == {"generator", "trainer", "controller", "redis"}
+    assert set(policies) == {"generator", "trainer", "controller", "redis", "sandbox"}
 
     def peers(component: str, port: str) -> list[str]:
         out = []
@@ -296,6 +296,7 @@ def test_network_policies_let_only_the_services_in():
     assert peers("trainer", "grpc") == ["generator"]
     assert peers("generator", "control") == ["controller", "trainer"]
     assert peers("redis", "redis") == ["controller", "generator", "keda-operator", "trainer"]
+    assert peers("sandbox", "http") == ["prometheus", "trainer"] and policies["sandbox"]["spec"]["egress"] == []
     for component, port in (("trainer", "metrics"), ("generator", "metrics"), ("controller", "http")):
         assert "prometheus" in peers(component, port)
     # Policies name ports by name; each name exists on the selected pods.
