@@ -197,7 +197,8 @@ class Jail:
             writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
             writer.start()
             deadline = start + limits.timeout_s
-            out, err, why = _drain(proc, deadline, limits.max_output_bytes)
+            memory = _PeakMemory(proc.pid)
+            out, err, why = _drain(proc, deadline, limits.max_output_bytes, memory)
             if why:
                 _kill(proc)
             wait_status, usage = _reap(proc, deadline)
@@ -213,7 +214,7 @@ class Jail:
         elapsed = time.monotonic() - start
         writer.join(timeout=1)
         cpu = usage.ru_utime + usage.ru_stime
-        peak = usage.ru_maxrss * 1024
+        peak = max(usage.ru_maxrss * 1024, memory.peak)
         started, exit_code = _read_status(status_r) if self.bwrap and not self.insecure_local else (True, None)
         if exit_code is None and proc.returncode is not None and proc.returncode >= 0:
             exit_code = proc.returncode
@@ -244,7 +245,39 @@ def _feed(pipe, data: bytes) -> None:
             pass
 
 
-def _drain(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
+class _PeakMemory:
+    """The most memory the jail's processes held, sampled from /proc while it runs.
+
+    A run that is killed is never waited for by its own parents, so its rusage says nothing of it; the
+    samples (every 0.1 s and at the end of the output) see the processes' high-water marks and, for a
+    program that forks, the sum of their resident sets.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak = pid, 0
+
+    def sample(self) -> None:
+        total, stack, seen = 0, [self.pid], 0
+        while stack and seen < 4096:
+            pid = stack.pop()
+            seen += 1
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        stack += [int(c) for c in f.read().split()]
+                if pid == self.pid:
+                    continue  # bwrap's own monitor, outside the jail
+                with open(f"/proc/{pid}/status") as f:
+                    fields = dict(line.split(":", 1) for line in f if ":" in line)
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            hwm = int(fields.get("VmHWM", "0 kB").split()[0]) * 1024
+            total += int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+            self.peak = max(self.peak, hwm)
+        self.peak = max(self.peak, total)
+
+
+def _drain(proc: subprocess.Popen, deadline: float, cap: int, memory: _PeakMemory) -> tuple[bytes, bytes, str | None]:
     """Read stdout and stderr until both close, the deadline passes or one goes over `cap`."""
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
@@ -259,7 +292,9 @@ def _drain(proc: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, by
             if left <= 0:
                 why = "timeout"
                 break
-            for key, _ in sel.select(timeout=min(left, 0.5)):
+            events = sel.select(timeout=min(left, 0.1))
+            memory.sample()
+            for key, _ in events:
                 try:
                     chunk = os.read(key.fd, _READ_CHUNK)
                 except BlockingIOError:

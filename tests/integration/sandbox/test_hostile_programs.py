@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -120,6 +121,7 @@ def host():
         grpc_server.stop(0)
         for path in (CHECKOUT_FILE, HOST_TMP_FILE):
             path.unlink(missing_ok=True)
+        shutil.rmtree(run_dir)
 
 
 def _source(name: str, host: dict) -> str:

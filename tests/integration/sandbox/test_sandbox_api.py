@@ -89,12 +89,21 @@ def test_over_the_queue_limit_a_request_gets_429_at_once():
 
 
 def test_the_service_refuses_to_start_where_bubblewrap_cannot_run():
-    import subprocess
-    import sys
+    import shutil
     import tempfile
     from pathlib import Path
 
     tmp = Path(tempfile.mkdtemp(prefix="sparrow-fake-bwrap-"))
+    try:
+        _refuses(tmp)
+    finally:
+        shutil.rmtree(tmp)
+
+
+def _refuses(tmp):
+    import subprocess
+    import sys
+
     tmp.chmod(0o755)  # the jail starts bwrap as nobody when the tests run as root
 
     # A kernel without user namespaces cannot be had here: a stand-in bwrap fails as Debian's does there.

@@ -88,7 +88,7 @@ def test_an_error_of_ours_mid_run_kills_the_jail(jail, monkeypatch):
 
     import services.sandbox.jail as jail_module
 
-    def broken_drain(proc, deadline, cap):
+    def broken_drain(*args):
         time.sleep(0.5)  # the program is running by now
         raise RuntimeError("bug in the reader")
 
@@ -110,3 +110,14 @@ def test_an_error_of_ours_mid_run_kills_the_jail(jail, monkeypatch):
     while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert alive() == []
+
+
+def test_peak_memory_of_a_run_that_is_killed_is_measured(jail):
+    out = run(jail, "import time\nx = bytearray(200 << 20)\ntime.sleep(100)\n", limits=Limits(timeout_s=1.5))
+    assert out.status == "timeout" and out.peak_memory_bytes >= 200 << 20
+    forks = (
+        "import os, time\nx = bytearray(60 << 20)\nfor _ in range(3):\n"
+        "    if os.fork() == 0:\n        x[:] = b'1' * len(x)\n        break\ntime.sleep(100)\n"
+    )
+    out = run(jail, forks, limits=Limits(timeout_s=2))
+    assert out.status == "timeout" and out.peak_memory_bytes >= 4 * (60 << 20)
