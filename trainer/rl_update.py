@@ -6,6 +6,11 @@ Written to run unchanged under torch.distributed with FSDP2: the model is called
 gradients are clipped with `clip_grad_norm_` (DTensor-aware) and nothing here reads or writes state
 dicts. Each rank passes its own rollouts; under FSDP every rank must run the same number of
 micro-batches, since each forward and backward is a collective.
+
+The LM head runs on the response positions only, `lm_head_chunk` of them at a time
+(`trainer.lm_head`), in the forward and the backward: no [tokens, vocab] logits. Micro-batches are
+`micro_batch_size` rows, or, with `max_tokens_per_microbatch`, rows of similar length packed up to
+that many padded tokens (`trainer.batch.plan_micro_batches`).
 """
 
 from __future__ import annotations
@@ -16,19 +21,23 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.acceptance import alpha_topk
-from trainer.batch import MicroBatch, Rollout, generator_topk, micro_batches
-from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss, sampled_logprobs
-from trainer.scoring import Scorer, TokenScores
+from trainer import lm_head
+from trainer.batch import MicroBatch, Rollout, generator_topk, micro_batches, plan_micro_batches
+from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
+from trainer.scoring import Scorer, TokenScores, compute_dtype
 
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    """How the update runs: the loss's knobs, temperature, micro-batch size and gradient clipping."""
+    """How the update runs: the loss's knobs, temperature, micro-batches, LM-head chunk, dtype, clipping."""
 
     grpo: GRPOConfig = GRPOConfig()
     temperature: float = 1.0
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # rows per micro-batch at most
     max_grad_norm: float = 1.0  # 0 disables clipping
+    max_tokens_per_microbatch: int = 0  # padded tokens per micro-batch at most (0: rows only)
+    lm_head_chunk: int = lm_head.DEFAULT_CHUNK  # positions per LM-head chunk
+    dtype: torch.dtype | None = None  # compute dtype (None or float32: full precision)
 
 
 @dataclass
@@ -40,14 +49,21 @@ class Acceptance:
 
 
 def dense_scores(
-    scorer: Scorer, rollouts: Sequence[Rollout], temperature: float, micro_batch_size: int
+    scorer: Scorer,
+    rollouts: Sequence[Rollout],
+    temperature: float,
+    micro_batch_size: int,
+    max_tokens: int = 0,
 ) -> list[TokenScores]:
-    """Dense teacher-forced logprobs and top-k lists of every rollout's response, in micro-batches."""
-    out: list[TokenScores] = []
-    for start in range(0, len(rollouts), micro_batch_size):
-        chunk = rollouts[start : start + micro_batch_size]
-        out += scorer.score([r.sequence for r in chunk], [r.prompt_len for r in chunk], None, temperature)
-    return out
+    """Dense teacher-forced logprobs and top-k lists of every rollout's response (in the rollouts' order)."""
+    out: list[TokenScores | None] = [None] * len(rollouts)
+    lengths = [r.prompt_len + len(r.token_ids) for r in rollouts]
+    for rows in plan_micro_batches(lengths, micro_batch_size, max_tokens):
+        picked = [rollouts[r] for r in rows]
+        scores = scorer.score([r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature)
+        for row, score in zip(rows, scores, strict=True):
+            out[row] = score
+    return out  # type: ignore[return-value]
 
 
 def acceptance(rollouts: Sequence[Rollout], dense: Sequence[TokenScores]) -> Acceptance:
@@ -77,7 +93,7 @@ def grpo_update(
     if len(old_logprobs) != len(rollouts):
         raise ValueError(f"{len(rollouts)} rollouts but {len(old_logprobs)} old logprob rows")
     device = next(model.parameters()).device
-    batches = micro_batches(rollouts, advantages, config.micro_batch_size)
+    batches = micro_batches(rollouts, advantages, config.micro_batch_size, config.max_tokens_per_microbatch)
     local_tokens = sum(len(r.token_ids) for r in rollouts)
     num_tokens = global_token_count(torch.tensor([float(local_tokens)], device=device))
     optimizer.zero_grad(set_to_none=True)
@@ -105,9 +121,43 @@ def grpo_update(
 def _micro_loss(
     model: torch.nn.Module, mb: MicroBatch, old: torch.Tensor, config: UpdateConfig, num_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-    logprobs = sampled_logprobs(logits, mb.targets, config.temperature)
+    logprobs = masked_logprobs(model, mb, config.temperature, config.lm_head_chunk, config.dtype)
     return grpo_tis_loss(logprobs, old, mb.rollout_logprobs, mb.advantages, mb.mask, config.grpo, num_tokens)
+
+
+def response_hidden(model: torch.nn.Module, mb: MicroBatch, dtype: torch.dtype | None = None, **extra) -> torch.Tensor:
+    """The last hidden states [tokens, hidden] of the micro-batch's response positions (under `mb.mask`), in order.
+
+    Position t's hidden state scores the token at t + 1; `extra` goes to the decoder (e.g.
+    `sparrow_plan` for the sparse actor). Prompt and padding positions never reach the LM head.
+    """
+    with compute_dtype(mb.input_ids.device, dtype):
+        hidden = lm_head.hidden_states(model, mb.input_ids, mb.attention_mask, **extra)[:, :-1]
+    return hidden[mb.mask.bool()]
+
+
+def place(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per-token values [tokens] of the response positions laid out as [b, T - 1] (0 elsewhere), differentiably."""
+    keep = mb.mask.bool()
+    return torch.zeros(mb.mask.shape, dtype=values.dtype, device=values.device).index_put((keep,), values)
+
+
+def masked_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    chunk: int = lm_head.DEFAULT_CHUNK,
+    dtype: torch.dtype | None = None,
+    **extra,
+) -> torch.Tensor:
+    """Logprobs [b, T - 1] of the micro-batch's targets on its response positions (0 elsewhere), with gradients.
+
+    Only the positions under `mb.mask` reach the LM head, `chunk` at a time.
+    """
+    rows = response_hidden(model, mb, dtype, **extra)
+    targets = mb.targets[mb.mask.bool()]
+    head = lm_head.token_logprobs(rows, lm_head.output_weight(model), targets, temperature, chunk, dtype=dtype)
+    return place(mb, head.logprobs)
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:

@@ -107,7 +107,8 @@ class StepRunner:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.scorer = Scorer(model)  # the policy itself, dense attention: the "old" logprobs of this step
+        # The policy itself, dense attention: the "old" logprobs of this step.
+        self.scorer = Scorer(model, chunk=update.lm_head_chunk, dtype=update.dtype)
         self.tokenizer = tokenizer
         self.store = store
         self.ledger = ledger
@@ -151,7 +152,7 @@ class StepRunner:
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
         mb = self.update.micro_batch_size
-        dense = dense_scores(self.scorer, rollouts, self.update.temperature, mb)
+        dense = dense_scores(self.scorer, rollouts, self.update.temperature, mb, self.update.max_tokens_per_microbatch)
         acc = acceptance(rollouts, dense)
         stats = grpo_update(
             self.model, self.optimizer, rollouts, [d.logprobs for d in dense], torch.cat(advantages), self.update

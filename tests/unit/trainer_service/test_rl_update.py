@@ -104,11 +104,16 @@ def test_micro_batching_does_not_change_the_gradient(sampled):
     adv = torch.linspace(-1.5, 1.5, len(rollouts))
     dense = dense_scores(Scorer(base), rollouts, TEMP, 8)
     results = []
-    for size in (1, 8):
+    # by rows, one and eight at a time; by a token budget (rows sorted by length), with a 3-token LM-head chunk
+    for size, budget, chunk in ((1, 0, 1024), (8, 0, 1024), (8, 100, 3)):  # rows of 18-31 tokens: 3-5 a batch
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = UpdateConfig(grpo=GRPOConfig(), temperature=TEMP, micro_batch_size=size, max_grad_norm=0)
+        cfg = UpdateConfig(
+            grpo=GRPOConfig(), temperature=TEMP, micro_batch_size=size, max_grad_norm=0,
+            max_tokens_per_microbatch=budget, lm_head_chunk=chunk,
+        )  # fmt: skip
         grpo_update(model, opt, rollouts, [d.logprobs for d in dense], adv, cfg)
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(results[0], results[1], atol=1e-5)
+    assert torch.allclose(results[0], results[2], atol=1e-5)
     assert not torch.allclose(results[0], torch.cat([p.detach().flatten() for p in base.parameters()]))
