@@ -5,8 +5,8 @@ a 40K-token response's fp32 logits take 24 GiB, and log-softmax and its gradient
 the logits of at most `chunk` positions exist at any moment, in the forward and in the backward:
 
 - `token_logprobs`: log p(target) at temperature T of every position, with a gradient w.r.t. the
-  hidden states and the head's weight (a custom autograd function that keeps only the hidden
-  states and one log-sum-exp per position, and recomputes each chunk's logits in the backward),
+  hidden states and the head's weight (a custom autograd function that keeps only its inputs and
+  recomputes each chunk's logits in the backward: two [chunk, vocab] float32 tensors at most),
   plus the top-k lists and the entropy when asked for (no gradient), and each chunk's whole
   log-distribution handed to a callback (exact alpha, full KL) before it is dropped;
 - `log_distributions`: the same chunks as a generator, for callers that pair two models' chunks;
@@ -51,10 +51,18 @@ def hidden_states(
 ) -> torch.Tensor:
     """The last hidden states [b, T, hidden] of a transformers causal LM: its head's input, after the final norm.
 
-    `extra` goes to the decoder as the model's own forward would pass it (e.g. `sparrow_plan`).
+    The model's own forward runs (so FSDP2's root hooks gather the root's parameters, the head's
+    among them, and keep them for the backward) with `logits_to_keep=1`: the head itself is
+    applied to one position only, and the final norm's output is taken by a hook. `extra` goes to
+    the forward as the caller would pass it (e.g. `sparrow_plan`).
     """
-    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
-    return out.last_hidden_state
+    captured: list[torch.Tensor] = []
+    handle = model.get_decoder().norm.register_forward_hook(lambda _module, _args, out: captured.append(out))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra)
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk: int) -> None:
@@ -88,8 +96,7 @@ def log_distributions(
     with torch.no_grad():
         w = weight.to(dtype or hidden.dtype)
         for start in range(0, hidden.shape[0], chunk):
-            logits = _scaled_logits(hidden[start : start + chunk], w, temperature)
-            yield start, logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
+            yield start, torch.log_softmax(_scaled_logits(hidden[start : start + chunk], w, temperature), dim=-1)
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -99,7 +106,6 @@ class _TokenLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, temperature, chunk, dtype, top_k, entropy, on_chunk):
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         k = min(top_k, weight.shape[0])
         top_v = torch.empty(n, k, dtype=torch.float32, device=hidden.device)
         top_i = torch.empty(n, k, dtype=torch.long, device=hidden.device)
@@ -107,30 +113,27 @@ class _TokenLogprobs(torch.autograd.Function):
         w = weight.to(dtype)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            logits = _scaled_logits(hidden[start:end], w, temperature)
-            norm = torch.logsumexp(logits, dim=-1)
-            lse[start:end] = norm
-            out[start:end] = logits.gather(1, targets[start:end, None])[:, 0] - norm
-            if k:  # the top of the logits is the top of the log-probs
-                top = torch.topk(logits, k, dim=-1)
-                top_v[start:end] = top.values - norm[:, None]
+            # log_softmax in one fused pass (torch's logsumexp takes twice as long on CPU); two [c, vocab] at most.
+            logp = torch.log_softmax(_scaled_logits(hidden[start:end], w, temperature), dim=-1)
+            out[start:end] = logp.gather(1, targets[start:end, None])[:, 0]
+            if k:
+                top = torch.topk(logp, k, dim=-1)
+                top_v[start:end] = top.values
                 top_i[start:end] = top.indices
-            if entropy or on_chunk is not None:
-                logp = logits.sub_(norm[:, None])  # in place: the logits are not needed any more
-                if on_chunk is not None:
-                    on_chunk(start, logp)
-                if entropy:
-                    ent[start:end] = -(logp.exp() * logp).sum(-1)
-            del logits
+            if on_chunk is not None:
+                on_chunk(start, logp)
+            if entropy:
+                ent[start:end] = -(logp.exp() * logp).sum(-1)
+            del logp
         del w
-        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.save_for_backward(hidden, weight, targets)
         ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         ctx.mark_non_differentiable(top_v, top_i, ent)
         return out, top_v, top_i, ent
 
     @staticmethod
     def backward(ctx, grad_out, *_unused):
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets = ctx.saved_tensors
         t, chunk, dtype = ctx.temperature, ctx.chunk, ctx.dtype
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if want_h else None
@@ -140,8 +143,8 @@ class _TokenLogprobs(torch.autograd.Function):
             end = min(start + chunk, hidden.shape[0])
             h = hidden[start:end]
             g = grad_out[start:end].float() / t
-            # d log p(y) / d logit = (onehot(y) - softmax) / T, built in the one [c, vocab] buffer.
-            grad_logits = _scaled_logits(h, w, t).sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
+            # d log p(y) / d logit = (onehot(y) - softmax) / T, built in the softmax's buffer.
+            grad_logits = torch.softmax(_scaled_logits(h, w, t), dim=-1).mul_(-g[:, None])
             grad_logits.scatter_add_(1, targets[start:end, None], g[:, None])
             with torch.autocast(h.device.type, enabled=False):
                 if want_h:
