@@ -117,3 +117,22 @@ def test_micro_batching_does_not_change_the_gradient(sampled):
     assert torch.allclose(results[0], results[1], atol=1e-5)
     assert torch.allclose(results[0], results[2], atol=1e-5)
     assert not torch.allclose(results[0], torch.cat([p.detach().flatten() for p in base.parameters()]))
+
+
+def test_learn_on_one_process_is_scoring_acceptance_and_the_update(sampled):
+    from trainer.rl_update import learn
+
+    base, rollouts = sampled
+    adv = torch.linspace(-1.0, 1.0, len(rollouts))
+    cfg = UpdateConfig(temperature=TEMP, micro_batch_size=3, lm_head_chunk=4)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    dense = dense_scores(Scorer(a, chunk=4), rollouts, TEMP, 3)
+    acc = acceptance(rollouts, dense)
+    stats = grpo_update(a, torch.optim.SGD(a.parameters(), lr=0.1), rollouts, [d.logprobs for d in dense], adv, cfg)
+    got_dense, got_acc, got_stats = learn(
+        b, torch.optim.SGD(b.parameters(), lr=0.1), Scorer(b, chunk=4), rollouts, adv, cfg
+    )
+    assert [d.logprobs.tolist() for d in got_dense] == [d.logprobs.tolist() for d in dense]
+    assert torch.equal(got_acc.alpha, acc.alpha) and torch.equal(got_acc.kv_lens, acc.kv_lens)
+    assert got_stats == stats
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
