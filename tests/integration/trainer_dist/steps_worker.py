@@ -1,9 +1,12 @@
 """Three training steps on fixed data, on one process or as one rank of several (run by torchrun).
 
 Every rank samples the same rollouts from the tiny model (same seed, before any sharding), then
-runs `trainer.rl_update.learn` three times on fixed groups and advantages, fp32. Under torchrun the
-model is sharded by FSDP2 over gloo. Rank 0 writes the figures of each step and the full
-parameters (gathered) to OUT.
+runs `trainer.rl_update.learn` on fixed groups and advantages, fp32. Under torchrun the model is
+sharded by FSDP2 over gloo. Rank 0 writes the figures of each step and the full parameters
+(gathered) to OUT. `worker OUT [FIRST LAST [CKPT_OUT] [CKPT_IN]]` runs steps FIRST..LAST - 1 only,
+resuming model and optimizer from the DCP checkpoint CKPT_IN and saving one to CKPT_OUT after
+(services/trainer/checkpoint.py, the trainer's own), so a run can stop under one world size and
+continue under another.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ def rollouts(model) -> list[Rollout]:
     ]
 
 
-def main(out: str) -> None:
+def main(out: str, first: int = 0, last: int = 3, ckpt_out: str = "", ckpt_in: str = "") -> None:
+    from services.trainer.checkpoint import CheckpointManager, TrainState
+
     torch.set_num_threads(1)
     model = load_model(TINY)
     batch = rollouts(model)  # before sharding: the same on every rank
@@ -55,12 +60,17 @@ def main(out: str) -> None:
         distributed.init_from_env("cpu", timeout_s=120)
         distributed.shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if ckpt_in:
+        resumed = CheckpointManager(Path(ckpt_in), 1).load_latest(model, optimizer)
+        assert resumed is not None and resumed.step == first, resumed
     # micro-batches of 2 rows: ranks run unequal numbers of them on the 9-row batches (5 vs 4)
     config = UpdateConfig(temperature=TEMP, micro_batch_size=2, lm_head_chunk=8)
     scorer = Scorer(model, chunk=8)
     steps = []
     advantages = torch.linspace(-1.0, 1.0, len(batch))
     for step, rows in enumerate((range(0, 8), range(4, 12), range(0, 9))):
+        if not first <= step < last:
+            continue
         picked = [batch[i] for i in rows]
         _, acc, stats = learn(model, optimizer, scorer, picked, advantages[list(rows)], config)
         bins = binned_stats(acc.alpha, acc.kv_lens, 8, 0.05, 8)
@@ -74,6 +84,8 @@ def main(out: str) -> None:
                 "grad_norm": stats["grad_norm"],
             }
         )
+    if ckpt_out:
+        CheckpointManager(Path(ckpt_out), 1).save(model, optimizer, TrainState(run_id="dist-test", step=last))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -85,4 +97,5 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = sys.argv[1:]
+    main(args[0], *(int(a) for a in args[1:3]), *args[3:5])
