@@ -82,6 +82,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--out", default=None, help="write the whole report here (JSON)")
     d.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     d.add_argument("--json", action="store_true", help="print JSON")
+    t = sub.add_parser(
+        "trainer", help="the trainer's LM head at Qwen3's vocabulary: memory and tokens/s, chunked vs full logits"
+    )
+    t.add_argument("--lengths", default="2048,8192,16384", help="sequence lengths in tokens (2048,8192,16384)")
+    t.add_argument("--chunk", type=int, default=1024, help="positions per LM-head chunk (default 1024)")
+    t.add_argument("--hidden", type=int, default=128, help="hidden size of the Qwen3-shaped model (default 128)")
+    t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    t.add_argument(
+        "--full-limit-gib", type=float, default=6.0, help="skip the full head where its logits need more (6 GiB)"
+    )
+    t.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    t.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    t.add_argument("--out", default=None, help="also write the JSON to this file")
+    t.add_argument("--json", action="store_true", help="print JSON")
     h = sub.add_parser("heldout", help="held-out accuracy of a `sparrow up` run's published policies, step by step")
     h.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="`sparrow up` run folders (a --compare one gives both)"
@@ -131,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         from sparrow_cli.bench_sandbox_cmd import run_sandbox_bench
 
         return run_sandbox_bench(args)
+    if args.bench == "trainer":
+        return _trainer(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 
@@ -147,6 +163,54 @@ def _trainer_streams(args: argparse.Namespace) -> int:
     result = run_streams(args.generators, args.trajectories, args.channels, args.hold, max_calls=args.max_calls)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0 if result["goal_met"] else 1
+
+
+def _trainer(args: argparse.Namespace) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from bench.trainer import Shape, run_trainer_bench
+
+    require_positive(args, "chunk", "hidden", "layers", "threads")
+    require_output_file("--out", args.out)
+    try:
+        lengths = tuple(int(x) for x in args.lengths.split(","))
+    except ValueError:
+        raise CliError(f"--lengths: comma-separated token counts, got {args.lengths!r}") from None
+    if not lengths or min(lengths) <= 256:
+        raise CliError(f"--lengths: every length must be above 256 tokens (the warm-up's), got {args.lengths!r}")
+    if args.hidden % 64:
+        raise CliError(f"--hidden must be a multiple of 64 (heads of 64), got {args.hidden}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError("--device cuda: no CUDA device is visible")
+    shape = Shape(hidden=args.hidden, layers=args.layers, heads=args.hidden // 64, kv_heads=max(1, args.hidden // 128),
+                  intermediate=3 * args.hidden)  # fmt: skip
+    say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    result = run_trainer_bench(lengths, args.chunk, shape, args.threads, args.device, args.full_limit_gib, log=say)
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    for row in result["rows"]:
+        c = row["chunked"]
+        line = (
+            f"{row['op']:6} {row['tokens']:6} tokens: chunked {c['tokens_per_s']:8.0f} tok/s, head extra "
+            f"{c['head_extra_gib']:.2f} GiB ({row['chunked_extra_over_three_chunk_tensors']:.2f} of 3 chunks)"
+        )
+        if "full" in row:
+            f = row["full"]
+            line += f"; full {f['tokens_per_s']:8.0f} tok/s, head extra {f['head_extra_gib']:.2f} GiB"
+            line += f"; time chunked/full {row['chunked_time_over_full']:.2f}"
+        else:
+            line += f"; full head skipped (about {row['full_logits_estimate_gib']:.0f} GiB of logits)"
+        print(line)
+    print(f"goals: {result['goals']}")
+    return 0
 
 
 def _heldout(args: argparse.Namespace) -> int:

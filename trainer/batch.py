@@ -113,16 +113,42 @@ def collate(rollouts: Sequence[Rollout], advantages: torch.Tensor, rows: Sequenc
     )
 
 
-def micro_batches(rollouts: Sequence[Rollout], advantages: torch.Tensor, size: int) -> list[MicroBatch]:
-    """The batch cut into micro-batches of at most `size` rollouts, in order."""
-    if size < 1:
-        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+def plan_micro_batches(lengths: Sequence[int], max_seqs: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch for rows of `lengths` tokens (prompt + response).
+
+    `max_tokens` 0: rows in order, `max_seqs` at a time (padding to the longest of each). Otherwise
+    a token budget: rows sorted by length, each micro-batch as many neighbours as fit in
+    `max_tokens` padded tokens (rows x its longest) and `max_seqs` rows, so padding stays small; a
+    row longer than the budget goes alone. The loss's denominator is the batch's token count, so
+    how rows are grouped changes nothing but memory and speed.
+    """
+    if max_seqs < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {max_seqs}")
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens_per_microbatch must be >= 0, got {max_tokens}")
+    if not max_tokens:
+        return [list(range(start, min(start + max_seqs, len(lengths)))) for start in range(0, len(lengths), max_seqs)]
+    plan: list[list[int]] = []
+    current: list[int] = []
+    for row in sorted(range(len(lengths)), key=lambda r: (lengths[r], r)):
+        # Sorted ascending, so this row is the longest of the micro-batch it joins.
+        if current and (len(current) >= max_seqs or (len(current) + 1) * lengths[row] > max_tokens):
+            plan.append(current)
+            current = []
+        current.append(row)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def micro_batches(
+    rollouts: Sequence[Rollout], advantages: torch.Tensor, size: int, max_tokens: int = 0
+) -> list[MicroBatch]:
+    """The batch cut into micro-batches (`plan_micro_batches`: `size` rows at most, `max_tokens` padded tokens)."""
     if advantages.shape != (len(rollouts),):
         raise ValueError(f"{len(rollouts)} rollouts but advantages of shape {tuple(advantages.shape)}")
-    return [
-        collate(rollouts, advantages, range(start, min(start + size, len(rollouts))))
-        for start in range(0, len(rollouts), size)
-    ]
+    lengths = [r.prompt_len + len(r.token_ids) for r in rollouts]
+    return [collate(rollouts, advantages, rows) for rows in plan_micro_batches(lengths, size, max_tokens)]
 
 
 def generator_topk(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Tensor]:

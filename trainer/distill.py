@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparrow.acceptance import alpha_exact
-from trainer import sparse_attention
+from trainer import lm_head, sparse_attention
 from trainer.batch import MicroBatch, Rollout, micro_batches
-from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss, sampled_logprobs
-from trainer.scoring import scaled_logprobs
+from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
+from trainer.rl_update import place, response_hidden
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
@@ -114,6 +114,9 @@ class DistillConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     backend: str = "auto"  # page scoring of the teacher-forced forward: the engine's, so both select alike
     seed: int = 0  # initialisation of the LoRA A matrices (B starts at zero: the adapter starts as the identity)
+    max_tokens_per_microbatch: int = 0  # padded tokens per micro-batch at most (0: micro_batch_size rows)
+    lm_head_chunk: int = lm_head.DEFAULT_CHUNK  # positions per LM-head chunk (trainer/lm_head.py)
+    dtype: torch.dtype | None = None  # compute dtype (None or float32: full precision)
 
     def __post_init__(self) -> None:
         if self.rank < 1 or not self.target_modules:
@@ -124,6 +127,8 @@ class DistillConfig:
             raise ValueError("kl_coef and selection_coef must be >= 0, kl_clamp and temperature > 0")
         if self.kl_estimator not in ("k3", "full"):
             raise ValueError(f"kl_estimator must be 'k3' or 'full', got {self.kl_estimator!r}")
+        if self.max_tokens_per_microbatch < 0 or self.lm_head_chunk < 1:
+            raise ValueError("max_tokens_per_microbatch must be >= 0 and lm_head_chunk >= 1")
 
 
 @dataclass
@@ -161,9 +166,10 @@ class DistillSparse:
 
     # -- forwards -------------------------------------------------------------------------------------
 
-    def _sparse_logits(
+    def _sparse_hidden(
         self, mb: MicroBatch, rollouts: Sequence[Rollout], rule: BlockRule, selection: list | None = None
     ) -> torch.Tensor:
+        """The sparse actor's last hidden states [tokens, hidden] on the response positions."""
         plan = sparse_attention.recorded_plan(
             mb.prompt_lens,
             [rollouts[r].kv_budgets for r in mb.rows],
@@ -175,30 +181,41 @@ class DistillSparse:
         )
         if selection is not None:
             plan = dataclasses.replace(plan, selection=selection)
-        out = self.actor(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False, sparrow_plan=plan)
-        return out.logits[:, :-1]
+        return response_hidden(self.actor, mb, self.config.dtype, sparrow_plan=plan)
 
-    def _dense_logits(self, mb: MicroBatch) -> torch.Tensor:
-        return self.policy(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+    def _dense_hidden(self, mb: MicroBatch) -> torch.Tensor:
+        return response_hidden(self.policy, mb, self.config.dtype)
+
+    def _logprobs(self, mb: MicroBatch, rows: torch.Tensor) -> torch.Tensor:
+        """[b, T - 1] logprobs of the targets from response hidden states (shared head), 0 off the mask."""
+        c = self.config
+        head = lm_head.token_logprobs(
+            rows, self._head(), mb.targets[mb.mask.bool()], c.temperature, c.lm_head_chunk, dtype=c.dtype
+        )
+        return place(mb, head.logprobs)
+
+    def _head(self) -> torch.Tensor:
+        return lm_head.output_weight(self.policy)  # the actor's is the same tensor (not a LoRA target)
 
     def _batches(self, rollouts: Sequence[Rollout], advantages: torch.Tensor | None = None) -> list[MicroBatch]:
         adv = torch.zeros(len(rollouts)) if advantages is None else advantages
         device = next(self.policy.parameters()).device
-        return [mb.to(device) for mb in micro_batches(rollouts, adv, self.config.micro_batch_size)]
+        c = self.config
+        return [mb.to(device) for mb in micro_batches(rollouts, adv, c.micro_batch_size, c.max_tokens_per_microbatch)]
 
     @torch.no_grad()
     def logprobs(
         self, rollouts: Sequence[Rollout], rule: BlockRule, adapter: bool = True, dense: bool = False
     ) -> list[torch.Tensor]:
         """Per rollout, the logprobs of its response tokens: sparse with or without the adapter, or dense."""
-        out: list[torch.Tensor] = []
+        out: list[torch.Tensor | None] = [None] * len(rollouts)
         for mb in self._batches(rollouts):
             with contextlib.nullcontext() if adapter or dense else self.peft.disable_adapter():
-                logits = self._dense_logits(mb) if dense else self._sparse_logits(mb, rollouts, rule)
-            lp = sampled_logprobs(logits, mb.targets, self.config.temperature)
+                rows = self._dense_hidden(mb) if dense else self._sparse_hidden(mb, rollouts, rule)
+            lp = self._logprobs(mb, rows)
             for i, (plen, n) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True)):
-                out.append(lp[i, plen - 1 : plen - 1 + n].cpu())
-        return out
+                out[mb.rows[i]] = lp[i, plen - 1 : plen - 1 + n].cpu()
+        return out  # type: ignore[return-value]
 
     # -- training -------------------------------------------------------------------------------------
 
@@ -218,7 +235,7 @@ class DistillSparse:
         refs: list[torch.Tensor | None] = [None] * len(batches)
         if c.kl_estimator == "k3":
             with torch.no_grad():  # the dense policy as it is now, frozen
-                refs = [sampled_logprobs(self._dense_logits(mb), mb.targets, c.temperature) for mb in batches]
+                refs = [self._logprobs(mb, self._dense_hidden(mb)) for mb in batches]
         olds: list[torch.Tensor] = []
         first: dict[str, float] = {}
         with self._theta_frozen():
@@ -227,14 +244,14 @@ class DistillSparse:
                 totals = dict.fromkeys(("loss", "ppo_loss", "kl", "selection", "tis_clip_fraction", "tokens"), 0.0)
                 for i, mb in enumerate(batches):
                     selection: list | None = [] if c.selection_coef > 0 else None
-                    logits = self._sparse_logits(mb, rollouts, rule, selection)
-                    lp = sampled_logprobs(logits, mb.targets, c.temperature)
+                    rows = self._sparse_hidden(mb, rollouts, rule, selection)
+                    lp = self._logprobs(mb, rows)
                     if epoch == 0:  # the actor before this step: PPO's old policy
                         olds.append(lp.detach())
                     ppo, stats = grpo_tis_loss(
                         lp, olds[i], mb.rollout_logprobs, mb.advantages, mb.mask, c.grpo, num_tokens
                     )
-                    kl = (self._kl_per_token(mb, logits, lp, refs[i]) * mb.mask).sum() / num_tokens
+                    kl = (self._kl_per_token(mb, rows, lp, refs[i]) * mb.mask).sum() / num_tokens
                     loss = ppo + c.kl_coef * kl
                     if selection:
                         share = mb.mask.sum() / num_tokens
@@ -257,16 +274,15 @@ class DistillSparse:
         return first
 
     def _kl_per_token(
-        self, mb: MicroBatch, logits: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None
+        self, mb: MicroBatch, rows: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None
     ) -> torch.Tensor:
         c = self.config
         if c.kl_estimator == "k3":
             d = (ref - lp).clamp(-c.kl_clamp, c.kl_clamp)
             return torch.exp(d) - d - 1.0
         with torch.no_grad():
-            dense = scaled_logprobs(self._dense_logits(mb), c.temperature)
-        sparse = scaled_logprobs(logits, c.temperature)
-        return (sparse.exp() * (sparse - dense)).sum(-1)
+            dense = self._dense_hidden(mb)
+        return place(mb, lm_head.chunked_kl(rows, dense, self._head(), c.temperature, c.lm_head_chunk, c.dtype))
 
     @contextlib.contextmanager
     def _theta_frozen(self) -> Iterator[None]:
@@ -287,15 +303,24 @@ class DistillSparse:
     def probe(self, rollouts: Sequence[Rollout], rule: BlockRule) -> Probe:
         """Exact alpha (full distributions, at the config's temperature) of every response token vs dense."""
         kv, with_, without = [], [], []
-        t = self.config.temperature
         for mb in self._batches(rollouts):
-            keep = mb.mask.bool()
-            dense = self._dense_logits(mb)[keep] / t
-            with_.append(alpha_exact(self._sparse_logits(mb, rollouts, rule)[keep] / t, dense).float().cpu())
+            dense = self._dense_hidden(mb)
+            with_.append(self._alpha_exact(self._sparse_hidden(mb, rollouts, rule), dense))
             with self.peft.disable_adapter():
-                without.append(alpha_exact(self._sparse_logits(mb, rollouts, rule)[keep] / t, dense).float().cpu())
+                without.append(self._alpha_exact(self._sparse_hidden(mb, rollouts, rule), dense))
             kv += [rollouts[r].kv_lens() for r in mb.rows]
         return Probe(torch.cat(kv), torch.cat(with_), torch.cat(without))
+
+    def _alpha_exact(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Exact alpha per response token from two sets of hidden states, a chunk of full distributions at a time."""
+        c = self.config
+        pairs = zip(
+            lm_head.log_distributions(sparse, self._head(), c.temperature, c.lm_head_chunk, c.dtype),
+            lm_head.log_distributions(dense, self._head(), c.temperature, c.lm_head_chunk, c.dtype),
+            strict=True,
+        )
+        parts = [alpha_exact(q, p).float().cpu() for (_, q), (_, p) in pairs]
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     # -- saving ---------------------------------------------------------------------------------------
 

@@ -21,8 +21,12 @@ class ModelLoadError(ValueError):
     """A missing or unreadable model folder, or weights that do not fit its config; one line naming the problem."""
 
 
-def load_model(path: str | Path, device: str = "cpu") -> torch.nn.Module:
-    """The causal LM in folder `path` (HF format, safetensors), float32, eval mode, block-sparse attention installed.
+def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM in folder `path` (HF format, safetensors), in `dtype`, eval mode, block-sparse attention installed.
+
+    float32 (the default) is what the trainer holds whatever the checkpoint's dtype: its master
+    weights and optimizer state; a bf16 run computes in bf16 from them (`[trainer] dtype`, autocast
+    or FSDP2's mixed precision). A scoring-only caller may load in bf16 to halve the memory.
 
     Raises ModelLoadError (one line) for a missing folder, config or weights, or weights that do not
     fit the config (a missing, extra or differently shaped tensor); transformers itself would fill a
@@ -49,7 +53,7 @@ def load_model(path: str | Path, device: str = "cpu") -> torch.nn.Module:
     _check_weights_fit(folder, stored, wanted, getattr(config, "tie_word_embeddings", False))
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32, attn_implementation=sparse_attention.register(), output_loading_info=True
+            folder, dtype=dtype, attn_implementation=sparse_attention.register(), output_loading_info=True
         )
     except Exception as exc:
         raise ModelLoadError(f"{folder}: cannot load the model: {_one_line(exc)}") from None

@@ -6,6 +6,11 @@ Written to run unchanged under torch.distributed with FSDP2: the model is called
 gradients are clipped with `clip_grad_norm_` (DTensor-aware) and nothing here reads or writes state
 dicts. Each rank passes its own rollouts; under FSDP every rank must run the same number of
 micro-batches, since each forward and backward is a collective.
+
+The LM head runs on the response positions only, `lm_head_chunk` of them at a time
+(`trainer.lm_head`), in the forward and the backward: no [tokens, vocab] logits. Micro-batches are
+`micro_batch_size` rows, or, with `max_tokens_per_microbatch`, rows of similar length packed up to
+that many padded tokens (`trainer.batch.plan_micro_batches`).
 """
 
 from __future__ import annotations
@@ -16,19 +21,23 @@ from dataclasses import dataclass
 import torch
 
 from sparrow.acceptance import alpha_topk
-from trainer.batch import MicroBatch, Rollout, generator_topk, micro_batches
-from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss, sampled_logprobs
-from trainer.scoring import Scorer, TokenScores
+from trainer import distributed, lm_head
+from trainer.batch import MicroBatch, Rollout, collate, generator_topk, micro_batches, plan_micro_batches
+from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
+from trainer.scoring import Scorer, TokenScores, compute_dtype
 
 
 @dataclass(frozen=True)
 class UpdateConfig:
-    """How the update runs: the loss's knobs, temperature, micro-batch size and gradient clipping."""
+    """How the update runs: the loss's knobs, temperature, micro-batches, LM-head chunk, dtype, clipping."""
 
     grpo: GRPOConfig = GRPOConfig()
     temperature: float = 1.0
-    micro_batch_size: int = 8
+    micro_batch_size: int = 8  # rows per micro-batch at most
     max_grad_norm: float = 1.0  # 0 disables clipping
+    max_tokens_per_microbatch: int = 0  # padded tokens per micro-batch at most (0: rows only)
+    lm_head_chunk: int = lm_head.DEFAULT_CHUNK  # positions per LM-head chunk
+    dtype: torch.dtype | None = None  # compute dtype (None or float32: full precision)
 
 
 @dataclass
@@ -40,20 +49,35 @@ class Acceptance:
 
 
 def dense_scores(
-    scorer: Scorer, rollouts: Sequence[Rollout], temperature: float, micro_batch_size: int
+    scorer: Scorer,
+    rollouts: Sequence[Rollout],
+    temperature: float,
+    micro_batch_size: int,
+    max_tokens: int = 0,
 ) -> list[TokenScores]:
-    """Dense teacher-forced logprobs and top-k lists of every rollout's response, in micro-batches."""
-    out: list[TokenScores] = []
-    for start in range(0, len(rollouts), micro_batch_size):
-        chunk = rollouts[start : start + micro_batch_size]
-        out += scorer.score([r.sequence for r in chunk], [r.prompt_len for r in chunk], None, temperature)
-    return out
+    """Dense teacher-forced logprobs and top-k lists of every rollout's response (in the rollouts' order)."""
+    out: list[TokenScores | None] = [None] * len(rollouts)
+    lengths = [r.prompt_len + len(r.token_ids) for r in rollouts]
+    plan = plan_micro_batches(lengths, micro_batch_size, max_tokens)
+    # Under FSDP every forward is a collective: ranks agree on the busiest one's count before any
+    # forward, and the others pad with 2-token passes.
+    passes = distributed.max_over_ranks(len(plan))
+    for rows in plan:
+        picked = [rollouts[r] for r in rows]
+        scores = scorer.score([r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature)
+        for row, score in zip(rows, scores, strict=True):
+            out[row] = score
+    for _ in range(passes - len(plan)):
+        scorer.score([[0, 0]], [1], None, temperature)
+    return out  # type: ignore[return-value]
 
 
 def acceptance(rollouts: Sequence[Rollout], dense: Sequence[TokenScores]) -> Acceptance:
     """Per-token alpha (lower bound from top-k lists) of the generators' distributions against the dense ones."""
     if len(rollouts) != len(dense):
         raise ValueError(f"{len(rollouts)} rollouts but {len(dense)} dense scores")
+    if not rollouts:  # a rank whose share of a small batch is empty
+        return Acceptance(alpha=torch.zeros(0), kv_lens=torch.zeros(0, dtype=torch.long))
     gen_ids, gen_lps = generator_topk(rollouts)
     dense_ids = torch.cat([d.top_ids.cpu() for d in dense])
     dense_lps = torch.cat([d.top_logprobs.cpu() for d in dense])
@@ -77,9 +101,13 @@ def grpo_update(
     if len(old_logprobs) != len(rollouts):
         raise ValueError(f"{len(rollouts)} rollouts but {len(old_logprobs)} old logprob rows")
     device = next(model.parameters()).device
-    batches = micro_batches(rollouts, advantages, config.micro_batch_size)
+    batches = micro_batches(rollouts, advantages, config.micro_batch_size, config.max_tokens_per_microbatch)
     local_tokens = sum(len(r.token_ids) for r in rollouts)
     num_tokens = global_token_count(torch.tensor([float(local_tokens)], device=device))
+    # Under FSDP every forward and backward is a collective: ranks agree on the busiest one's count
+    # first, and the others pad with passes whose loss is 0.
+    passes = distributed.max_over_ranks(len(batches))
+    scale = distributed.gradient_scale()
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
     loss_sum = 0.0
@@ -87,27 +115,106 @@ def grpo_update(
         mb = mb.to(device)
         old = mb.place([old_logprobs[r] for r in mb.rows])
         loss, stats = _micro_loss(model, mb, old, config, num_tokens)
-        loss.backward()
+        (loss * scale).backward() if scale != 1.0 else loss.backward()
         loss_sum += float(loss.detach())
         weight = stats["tokens"]
         for key, value in stats.items():
             totals[key] = totals.get(key, 0.0) + (value if key == "tokens" else value * weight)
+    for _ in range(passes - len(batches)):
+        (
+            masked_logprobs(model, _empty_batch(device), config.temperature, config.lm_head_chunk, config.dtype).sum()
+            * 0.0
+        ).backward()
     grad_norm = _clip(model, config.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    keys = sorted(totals)
+    totals = dict(zip(keys, distributed.sum_over_ranks([totals[k] for k in keys]), strict=True))
     tokens = max(totals.get("tokens", 0.0), 1.0)
     out = {key: (value if key == "tokens" else value / tokens) for key, value in totals.items()}
-    out["loss"] = loss_sum
+    out["loss"] = distributed.sum_over_ranks([loss_sum])[0]
     out["grad_norm"] = grad_norm
     return out
+
+
+def _empty_batch(device: torch.device) -> MicroBatch:
+    """A 2-token micro-batch whose one response token carries no weight: a rank's padding pass."""
+    pad = Rollout("", 0, (0,), (0,), (0.0,), (), ())
+    return collate([pad], torch.zeros(1), [0]).to(device)
 
 
 def _micro_loss(
     model: torch.nn.Module, mb: MicroBatch, old: torch.Tensor, config: UpdateConfig, num_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
-    logprobs = sampled_logprobs(logits, mb.targets, config.temperature)
+    logprobs = masked_logprobs(model, mb, config.temperature, config.lm_head_chunk, config.dtype)
     return grpo_tis_loss(logprobs, old, mb.rollout_logprobs, mb.advantages, mb.mask, config.grpo, num_tokens)
+
+
+def response_hidden(model: torch.nn.Module, mb: MicroBatch, dtype: torch.dtype | None = None, **extra) -> torch.Tensor:
+    """The last hidden states [tokens, hidden] of the micro-batch's response positions (under `mb.mask`), in order.
+
+    Position t's hidden state scores the token at t + 1; `extra` goes to the decoder (e.g.
+    `sparrow_plan` for the sparse actor). Prompt and padding positions never reach the LM head.
+    """
+    with compute_dtype(mb.input_ids.device, dtype):
+        hidden = lm_head.hidden_states(model, mb.input_ids, mb.attention_mask, **extra)[:, :-1]
+    return hidden[mb.mask.bool()]
+
+
+def place(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per-token values [tokens] of the response positions laid out as [b, T - 1] (0 elsewhere), differentiably."""
+    keep = mb.mask.bool()
+    return torch.zeros(mb.mask.shape, dtype=values.dtype, device=values.device).index_put((keep,), values)
+
+
+def masked_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    chunk: int = lm_head.DEFAULT_CHUNK,
+    dtype: torch.dtype | None = None,
+    **extra,
+) -> torch.Tensor:
+    """Logprobs [b, T - 1] of the micro-batch's targets on its response positions (0 elsewhere), with gradients.
+
+    Only the positions under `mb.mask` reach the LM head, `chunk` at a time.
+    """
+    rows = response_hidden(model, mb, dtype, **extra)
+    targets = mb.targets[mb.mask.bool()]
+    head = lm_head.token_logprobs(rows, lm_head.output_weight(model), targets, temperature, chunk, dtype=dtype)
+    return place(mb, head.logprobs)
+
+
+def learn(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scorer: Scorer,
+    rollouts: Sequence[Rollout],
+    advantages: torch.Tensor,
+    config: UpdateConfig,
+) -> tuple[list[TokenScores], Acceptance, dict[str, float]]:
+    """One step's learning on the whole batch, on one rank or many: dense scores, alpha and the update.
+
+    Every rank passes the same batch (rank 0's, broadcast) and takes its share of it
+    (`trainer.distributed.share`); the loss is normalised by the global token count, so the update
+    does not depend on the number of ranks. Returns this rank's dense scores (of its share, in
+    order), the acceptance of the WHOLE batch in the batch's order (gathered from every rank), and
+    the update's statistics over the whole batch.
+    """
+    mine = distributed.share(rollouts)
+    local = [rollouts[i] for i in mine]
+    dense = dense_scores(scorer, local, config.temperature, config.micro_batch_size, config.max_tokens_per_microbatch)
+    acc = acceptance(local, dense)
+    per_rollout = list(zip(mine, torch.split(acc.alpha, [len(r.token_ids) for r in local]), strict=True))
+    placed: dict[int, torch.Tensor] = {}
+    for part in distributed.gather_objects(per_rollout):
+        placed.update(part)
+    whole = Acceptance(
+        alpha=torch.cat([placed[i] for i in range(len(rollouts))]) if rollouts else torch.zeros(0),
+        kv_lens=torch.cat([r.kv_lens() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+    )
+    stats = grpo_update(model, optimizer, local, [d.logprobs for d in dense], advantages[mine], config)
+    return dense, whole, stats
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:

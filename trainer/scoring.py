@@ -3,7 +3,8 @@
 Both paths run the same transformers model (its attention switched to `trainer.sparse_attention`):
 dense is stock SDPA, sparse is teacher-forced block-sparse attention under a schedule, each
 position selecting the pages its decode step selected. Temperature is applied the same way on both
-paths and in the reference decode loop: log_softmax(logits / T), in float32.
+paths and in the reference decode loop: log_softmax(logits / T), in float32. The LM head runs on
+the response positions only, a chunk of them at a time (`trainer.lm_head`): no [seq, vocab] logits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer import sparse_attention
+from trainer import lm_head, sparse_attention
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
@@ -67,10 +68,19 @@ class Scorer:
     stock SDPA). `backend` scores pages for the sparse path: use the engine's, so both select alike.
     """
 
-    def __init__(self, model: torch.nn.Module, backend: str = "auto", top_k: int = TOP_K) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: str = "auto",
+        top_k: int = TOP_K,
+        chunk: int = lm_head.DEFAULT_CHUNK,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.model = sparse_attention.install(model).eval()
         self.backend = backend
         self.top_k = top_k
+        self.chunk = chunk  # positions per LM-head chunk
+        self.dtype = dtype  # compute dtype (None: the model's own)
 
     @property
     def device(self) -> torch.device:
@@ -111,14 +121,50 @@ class Scorer:
         if schedule is not None:
             plens = torch.as_tensor(list(prompt_lens), dtype=torch.long)
             extra["sparrow_plan"] = sparse_attention.teacher_forced_plan(schedule, plens, width, self.backend)
-        logits = self.model(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=False, **extra
-        ).logits
-        out = []
-        for i, (n, plen) in enumerate(zip(lens, prompt_lens, strict=True)):
-            # logits at position t predict token t + 1
-            tokens = ids[i, plen:n].to(logits.device)
-            kv = torch.arange(plen, n, device=logits.device)
-            logprobs = scaled_logprobs(logits[i, plen - 1 : n - 1], temperature)
-            out.append(token_scores(logprobs, tokens, kv, self.top_k, full))
+        with compute_dtype(self.device, self.dtype):
+            hidden = lm_head.hidden_states(self.model, ids.to(self.device), mask.to(self.device), **extra)
+        # Hidden states at position t predict token t + 1: the response's positions only, one row per token.
+        rows = torch.cat(
+            [hidden[i, plen - 1 : n - 1] for i, (n, plen) in enumerate(zip(lens, prompt_lens, strict=True))]
+        )
+        targets = torch.cat([ids[i, plen:n] for i, (n, plen) in enumerate(zip(lens, prompt_lens, strict=True))])
+        full_rows: list[torch.Tensor] = []
+        head = lm_head.token_logprobs(
+            rows,
+            lm_head.output_weight(self.model),
+            targets.to(rows.device),
+            temperature,
+            self.chunk,
+            top_k=self.top_k,
+            on_chunk=(lambda _start, lp: full_rows.append(lp.clone())) if full else None,
+            dtype=self.dtype or rows.dtype,
+        )
+        full_lp = torch.cat(full_rows) if full else None
+        out, at = [], 0
+        for n, plen in zip(lens, prompt_lens, strict=True):
+            span = slice(at, at + n - plen)
+            at += n - plen
+            out.append(
+                TokenScores(
+                    token_ids=targets[span].to(rows.device),
+                    logprobs=head.logprobs[span],
+                    top_ids=head.top_ids[span],
+                    top_logprobs=head.top_logprobs[span],
+                    kv_lens=torch.arange(plen, n, device=rows.device),
+                    full_logprobs=full_lp[span] if full_lp is not None else None,
+                )
+            )
         return out
+
+
+def compute_dtype(device: torch.device, dtype: torch.dtype | None):
+    """The context a forward runs its matmuls in `dtype` under (autocast; fp32 master weights stay as they are).
+
+    None or float32: no autocast. Under FSDP2 the mixed-precision policy casts the parameters
+    instead and this is not needed.
+    """
+    import contextlib
+
+    if dtype is None or dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)

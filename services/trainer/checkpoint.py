@@ -72,6 +72,14 @@ def _rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+def _same_on_every_rank(value: str) -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -124,7 +132,8 @@ class CheckpointManager:
         final = self.root / f"step-{state.step:09d}"
         if final.exists():
             return final  # this step is saved already (a stop right after a scheduled checkpoint)
-        tmp = self.root / f".tmp-step-{state.step:09d}-{uuid.uuid4().hex[:8]}"
+        # One name for every rank (rank 0's): each rank writes its shards into the folder rank 0 renames.
+        tmp = self.root / f".tmp-step-{state.step:09d}-{_same_on_every_rank(uuid.uuid4().hex[:8])}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # the one-process case is intended

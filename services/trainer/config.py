@@ -93,7 +93,15 @@ class OptimConfig(ConfigSection):
     beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1.")
     beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2.")
     max_grad_norm: float = Field(1.0, ge=0, description="Gradient norm clip (0: off).")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass (at most).")
+    max_tokens_per_microbatch: int = Field(
+        0,
+        ge=0,
+        description="Padded tokens per forward/backward pass at most; rows are grouped by length (0: by count only).",
+    )
+    lm_head_chunk: int = Field(
+        1024, ge=1, description="Positions whose logits exist at once in scoring and the update (vocab x this floats)."
+    )
 
 
 class CheckpointConfig(ConfigSection):
@@ -140,6 +148,9 @@ class DistillSection(ConfigSection):
     )
     epochs: int = Field(1, ge=1, description="Adapter optimizer steps on each step's batch.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass of the adapter.")
+    max_tokens_per_microbatch: int = Field(
+        0, ge=0, description="Padded tokens per pass of the adapter at most, rows grouped by length (0: by count)."
+    )
     backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto", description="Page scoring of the teacher-forced forward: the generators' backend, to select alike."
     )
@@ -162,6 +173,10 @@ class TrainerServiceConfig(SparrowConfig):
     model_dir: str = Field("models/tiny", description="HF-format model folder the run starts from.")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the prompt stream.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Compute dtype of scoring and the update; master weights and optimizer state stay float32.",
+    )
     threads: int = Field(1, ge=1, description="torch CPU threads.")
     steps: int = Field(0, ge=0, description="Steps to train before stopping (0: until SIGTERM).")
     groups_per_step: int = Field(8, ge=1, description="Complete prompt groups per training step.")

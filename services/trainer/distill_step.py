@@ -31,6 +31,7 @@ from sparrow.acceptance import DEFAULT_QUANTILE, binned_stats
 from trainer.batch import Rollout
 from trainer.distill import BlockRule, DistillConfig, DistillSparse
 from trainer.grpo import GRPOConfig
+from trainer.lm_head import DEFAULT_CHUNK
 
 log = logging.getLogger("sparrow.trainer.distill")
 
@@ -115,6 +116,8 @@ class DistillStep:
         bin_width: int,
         num_bins: int | None,
         rule_source: Callable[[], BlockRule] | None = None,
+        lm_head_chunk: int = DEFAULT_CHUNK,
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.fallback = BlockRule(config.sink_blocks, config.local_blocks, frozenset(config.dense_layers))
@@ -138,6 +141,9 @@ class DistillStep:
                 grpo=grpo,
                 backend=config.backend,
                 seed=config.seed,
+                max_tokens_per_microbatch=config.max_tokens_per_microbatch,
+                lm_head_chunk=lm_head_chunk,
+                dtype=dtype,
             ),
         )
         self.metrics = DistillMetrics(registry)

@@ -56,6 +56,7 @@ class TrainerService:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         torch.set_num_threads(config.threads)
         self.metrics = TrainerMetrics(config.metrics.bin_width, config.metrics.num_bins)
+        self.compute_dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = load_tokenizer(config.model_dir)
         o = config.optim
@@ -100,6 +101,9 @@ class TrainerService:
             temperature=s.temperature,
             micro_batch_size=o.micro_batch_size,
             max_grad_norm=o.max_grad_norm,
+            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+            lm_head_chunk=o.lm_head_chunk,
+            dtype=self.compute_dtype,
         )
         self.runner = StepRunner(
             self.model,
@@ -125,7 +129,7 @@ class TrainerService:
         c = self.config
         step = DistillStep(
             c.distill, self.model, self.metrics.registry, grpo, c.sampling.temperature, c.metrics.bin_width,
-            c.metrics.num_bins,
+            c.metrics.num_bins, lm_head_chunk=c.optim.lm_head_chunk, dtype=self.compute_dtype,
         )  # fmt: skip
         # The generators' schedule lives in Redis; the feeder's client exists once __init__ is through.
         step.rule_source = lambda: read_block_rule(self.feeder.client, step.fallback)

@@ -27,7 +27,7 @@ from sparrow.acceptance import binned_stats
 from sparrow.rewards import chain_reward
 from trainer.batch import Rollout
 from trainer.grpo import group_advantages
-from trainer.rl_update import UpdateConfig, acceptance, dense_scores, grpo_update
+from trainer.rl_update import UpdateConfig, learn
 from trainer.scoring import Scorer
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ class StepRunner:
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.scorer = Scorer(model)  # the policy itself, dense attention: the "old" logprobs of this step
+        # The policy itself, dense attention: the "old" logprobs of this step.
+        self.scorer = Scorer(model, chunk=update.lm_head_chunk, dtype=update.dtype)
         self.tokenizer = tokenizer
         self.store = store
         self.ledger = ledger
@@ -150,12 +151,8 @@ class StepRunner:
             rollouts += [to_rollout(t) for t in samples]
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
-        mb = self.update.micro_batch_size
-        dense = dense_scores(self.scorer, rollouts, self.update.temperature, mb)
-        acc = acceptance(rollouts, dense)
-        stats = grpo_update(
-            self.model, self.optimizer, rollouts, [d.logprobs for d in dense], torch.cat(advantages), self.update
-        )
+        # Dense scores, alpha of the whole batch and the update; each rank its share when distributed.
+        _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, torch.cat(advantages), self.update)
         distilled = self.distill.run(step, rollouts, torch.cat(advantages)) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail

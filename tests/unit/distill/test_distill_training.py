@@ -141,3 +141,30 @@ def test_the_selection_loss_joins_the_adapter_loss_and_alone_moves_the_adapter(p
     assert stats["loss"] == pytest.approx(stats["ppo_loss"] + 2.0 * stats["selection"], rel=1e-6)
     moved = {n for n, p in on.actor.named_parameters() if "lora_B" in n and float(p.detach().abs().sum()) > 0}
     assert any("q_proj" in n for n in moved) and any("k_proj" in n for n in moved)
+
+
+@pytest.mark.parametrize("estimator", ["k3", "full"])
+def test_a_small_lm_head_chunk_and_token_budget_micro_batches_train_the_adapter_alike(policy, estimator):
+    """Chunks of 3 positions and token-budget micro-batches against one chunk per micro-batch of 8 rows."""
+    rollouts = sample_rollouts(policy, count=4)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    runs = []
+    for chunk, budget in ((3, 260), (100_000, 0)):
+        distill = DistillSparse(
+            policy,
+            DistillConfig(
+                kl_coef=0.5, kl_estimator=estimator, backend="torch", lm_head_chunk=chunk,
+                max_tokens_per_microbatch=budget,
+            ),
+        )  # fmt: skip
+        perturb_adapter(distill, scale=0.1)
+        probe = distill.probe(rollouts[:2], RULE)
+        stats = distill.train_step(rollouts, advantages, RULE)
+        runs.append((stats, [p.detach().clone() for p in distill.lora_params], probe))
+    (a, phi_a, probe_a), (b, phi_b, probe_b) = runs
+    for key in ("loss", "ppo_loss", "kl", "tokens", "grad_norm"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    for x, y in zip(phi_a, phi_b, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(probe_a.with_adapter, probe_b.with_adapter, atol=1e-6, rtol=0)
+    torch.testing.assert_close(probe_a.without_adapter, probe_b.without_adapter, atol=1e-6, rtol=0)

@@ -61,3 +61,31 @@ def test_bad_rollouts_are_refused():
     uneven = Rollout("g", 0, (1,), (2, 3), (-0.1,), ((2,), (3,)), ((-0.1,), (-0.1,)))
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
         collate([uneven], torch.zeros(1), [0])
+
+
+def test_token_budget_micro_batches_group_rows_of_similar_length_within_the_budget():
+    from trainer.batch import plan_micro_batches
+
+    lengths = [30, 5, 12, 6, 29, 100, 7]
+    plan = plan_micro_batches(lengths, max_seqs=8, max_tokens=40)
+    assert sorted(r for rows in plan for r in rows) == list(range(7))  # every row once
+    assert plan == [[1, 3, 6], [2], [4], [0], [5]]  # 3 x 7 <= 40; 4 x 12 > 40; 100 alone, over budget
+    for rows in plan[:-1]:
+        assert len(rows) * max(lengths[r] for r in rows) <= 40
+    assert plan_micro_batches(lengths, max_seqs=2, max_tokens=1000) == [[1, 3], [6, 2], [4, 0], [5]]
+    assert plan_micro_batches(lengths, max_seqs=3) == [[0, 1, 2], [3, 4, 5], [6]]  # no budget: in order
+    with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
+        plan_micro_batches(lengths, 2, -1)
+    with pytest.raises(ValueError, match="micro-batch size"):
+        plan_micro_batches(lengths, 0)
+
+
+def test_token_budget_micro_batches_pad_less_than_row_count_ones():
+    rollouts = [_rollout([1, 2], [5] * n, index=i) for i, n in enumerate([40, 3, 38, 2, 41, 4])]
+    adv = torch.zeros(6)
+    padded = {
+        name: sum(mb.input_ids.numel() for mb in mbs)
+        for name, mbs in (("rows", micro_batches(rollouts, adv, 2)), ("tokens", micro_batches(rollouts, adv, 8, 90)))
+    }
+    assert padded["tokens"] < padded["rows"]
+    assert padded["tokens"] == 3 * 6 + 2 * 42 + 43  # [3, 2, 4] | [40, 38] | [41]

@@ -104,11 +104,35 @@ def test_micro_batching_does_not_change_the_gradient(sampled):
     adv = torch.linspace(-1.5, 1.5, len(rollouts))
     dense = dense_scores(Scorer(base), rollouts, TEMP, 8)
     results = []
-    for size in (1, 8):
+    # by rows, one and eight at a time; by a token budget (rows sorted by length), with a 3-token LM-head chunk
+    for size, budget, chunk in ((1, 0, 1024), (8, 0, 1024), (8, 100, 3)):  # rows of 18-31 tokens: 3-5 a batch
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        cfg = UpdateConfig(grpo=GRPOConfig(), temperature=TEMP, micro_batch_size=size, max_grad_norm=0)
+        cfg = UpdateConfig(
+            grpo=GRPOConfig(), temperature=TEMP, micro_batch_size=size, max_grad_norm=0,
+            max_tokens_per_microbatch=budget, lm_head_chunk=chunk,
+        )  # fmt: skip
         grpo_update(model, opt, rollouts, [d.logprobs for d in dense], adv, cfg)
         results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
     assert torch.allclose(results[0], results[1], atol=1e-5)
+    assert torch.allclose(results[0], results[2], atol=1e-5)
     assert not torch.allclose(results[0], torch.cat([p.detach().flatten() for p in base.parameters()]))
+
+
+def test_learn_on_one_process_is_scoring_acceptance_and_the_update(sampled):
+    from trainer.rl_update import learn
+
+    base, rollouts = sampled
+    adv = torch.linspace(-1.0, 1.0, len(rollouts))
+    cfg = UpdateConfig(temperature=TEMP, micro_batch_size=3, lm_head_chunk=4)
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    dense = dense_scores(Scorer(a, chunk=4), rollouts, TEMP, 3)
+    acc = acceptance(rollouts, dense)
+    stats = grpo_update(a, torch.optim.SGD(a.parameters(), lr=0.1), rollouts, [d.logprobs for d in dense], adv, cfg)
+    got_dense, got_acc, got_stats = learn(
+        b, torch.optim.SGD(b.parameters(), lr=0.1), Scorer(b, chunk=4), rollouts, adv, cfg
+    )
+    assert [d.logprobs.tolist() for d in got_dense] == [d.logprobs.tolist() for d in dense]
+    assert torch.equal(got_acc.alpha, acc.alpha) and torch.equal(got_acc.kv_lens, acc.kv_lens)
+    assert got_stats == stats
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))

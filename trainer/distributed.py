@@ -1,0 +1,129 @@
+"""The trainer over many processes: torch.distributed set up from torchrun's environment, FSDP2 sharding.
+
+`init_from_env` joins the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR, ...):
+NCCL on CUDA, gloo on CPU, with a collective timeout so that a dead or hung rank ends every other
+rank within that time instead of never. `shard` applies FSDP2 (`fully_shard`) to every decoder
+layer and to the root, with a mixed-precision policy (parameters cast to the compute dtype for the
+forward and backward, float32 master weights and gradient reduction). CPU offload and per-layer
+activation checkpointing are not wired yet. DistillSparse's actor shares the policy's tensors
+(trainer/distill.py), which two FSDP trees cannot: it runs in one process only.
+
+Every rank takes its share of a step's rollouts (`share`). Under FSDP each forward and backward is
+a collective, so all ranks must run the same number of them: `max_over_ranks` tells each rank how
+many micro-batches the busiest one runs, and the others pad with passes that add nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def active() -> bool:
+    """Whether this process is one rank of an initialised process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank (0 when not distributed)."""
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    """The number of ranks (1 when not distributed)."""
+    return dist.get_world_size() if active() else 1
+
+
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or a launcher like it) started this process as one of several ranks."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> None:
+    """Join the process group torchrun's environment describes: NCCL on CUDA, gloo on CPU.
+
+    `timeout_s` bounds every collective: a rank that dies or hangs makes the others fail within it.
+    """
+    if active():
+        return
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shard(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """`model` (a transformers causal LM) sharded in place by FSDP2: each decoder layer, then the root.
+
+    `dtype` is the compute dtype of the parameters in forward and backward (None: their own);
+    gradients are reduced in float32 and kept with the float32 master weights.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.get_decoder().layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def gradient_scale() -> float:
+    """What a rank's loss is multiplied by before its backward so that FSDP's reduction gives the global gradient.
+
+    Each rank's loss is already its share of the global token mean (`trainer.grpo.global_token_count`),
+    so the ranks' gradients must be summed; FSDP averages them (gloo has no pre-scaled sum to
+    change that), hence the world size.
+    """
+    return float(world_size())
+
+
+def share(items: Sequence[Any], of_rank: int | None = None, world: int | None = None) -> list[int]:
+    """Indices of `items` this rank takes: every world-th from its rank on (rank 0 takes the first)."""
+    r = rank() if of_rank is None else of_rank
+    w = world_size() if world is None else world
+    return list(range(r, len(items), w))
+
+
+def max_over_ranks(value: int) -> int:
+    """The largest of every rank's `value` (the value itself when not distributed)."""
+    if not active():
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """Each of `values` summed over ranks (float64; the values themselves when not distributed)."""
+    if not active():
+        return list(values)
+    t = torch.tensor(list(values), dtype=torch.float64, device=_device())
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (on every rank)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s `obj` on every rank."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
