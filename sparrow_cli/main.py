@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "generator": "sparrow_cli.generator_cmd",
     "up": "sparrow_cli.up_cmd",
     "report": "sparrow_cli.report_cmd",
+    "task": "sparrow_cli.task_cmd",
 }
 
 

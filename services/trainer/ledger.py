@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.trainer.store import fsync_dir
@@ -42,11 +42,14 @@ class GroupRecord:
     group_id: str
     prompt_token_ids: tuple[int, ...]
     n: int
-    answer: str
+    answer: str | None  # the ground truth (None: the row had none)
     policy_version: int
     max_new_tokens: int
     prompt_text: str = ""
     created_at: float = 0.0
+    data_source: str = "chain"  # ledgers written before datasets held chain groups only
+    reward: str = "chain"
+    extras: dict = field(default_factory=dict)  # the row's extra_info, for the reward
 
 
 class GroupLedger:
@@ -112,7 +115,7 @@ class GroupLedger:
 
     def _append(self, entry: dict) -> None:
         try:
-            self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+            self._file.write(json.dumps(entry, separators=(",", ":"), default=str) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as exc:
@@ -213,7 +216,8 @@ class GroupLedger:
             tmp = self.path.with_suffix(".compact")
             with tmp.open("w", encoding="utf-8") as f:
                 for r in kept:
-                    f.write(json.dumps({"kind": "enqueued", "group": asdict(r)}, separators=(",", ":")) + "\n")
+                    entry = {"kind": "enqueued", "group": asdict(r)}
+                    f.write(json.dumps(entry, separators=(",", ":"), default=str) + "\n")
                     if r.group_id in self._queued:
                         f.write(json.dumps({"kind": "queued", "group_id": r.group_id}) + "\n")
                     if self._state.get(r.group_id) == DEAD:

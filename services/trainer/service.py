@@ -42,8 +42,10 @@ class TrainerService:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         from services.trainer.feeder import Feeder, FeedSettings
+        from services.trainer.reward_pool import RewardPool
+        from services.trainer.rewarding import RewardScorer
         from services.trainer.step import StepRunner
-        from sparrow.tasks import ChainTask
+        from services.trainer.training_data import build_training_data
         from sparrow.work import Sampling
         from trainer.grpo import GRPOConfig
         from trainer.model_io import load_model, load_tokenizer
@@ -56,6 +58,7 @@ class TrainerService:
         self.metrics = TrainerMetrics(config.metrics.bin_width, config.metrics.num_bins)
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = load_tokenizer(config.model_dir)
+        self.data = build_training_data(config, self.tokenizer)
         o = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
@@ -75,19 +78,23 @@ class TrainerService:
             self.distill.publish_start(self.weights, self.state.policy_version, self.state.step)
         self.store = TrajectoryStore(self.run_dir)
         self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
+        r = config.reward
+        self.reward_pool = RewardPool(r.workers, r.timeout_s, self.metrics.reward_errors)
+        self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options)
+        self.sampling = Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs, self.data.stop_ids)
         self.feeder = Feeder(
             self._redis(),
             self.ledger,
             self.store,
-            self.tokenizer,
             FeedSettings(
                 run_id=self.state.run_id,
-                task=ChainTask(config.task.pairs, config.task.max_hops, config.task.min_hops, config.task.name_pool),
-                seed=config.task.seed,
+                data=self.data,
+                seed=config.data.seed,
                 n=s.n,
-                sampling=Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs),
+                sampling=self.sampling,
                 outstanding=config.outstanding_groups,
                 requeue_after_s=config.requeue_after_s,
+                shuffle=config.data.shuffle,
             ),
             lambda: self.state.policy_version,
             self.metrics,
@@ -102,7 +109,7 @@ class TrainerService:
         self.runner = StepRunner(
             self.model,
             self.optimizer,
-            self.tokenizer,
+            self.rewards,
             self.store,
             self.ledger,
             self.metrics,
@@ -187,7 +194,7 @@ class TrainerService:
         w = c.weights
         weights = WeightServicer(self.weights, w.default_chunk_bytes, w.max_chunk_bytes)
         limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
-        rollouts = RolloutServicer(self.store, self.ledger, weights, limits, self.metrics)
+        rollouts = RolloutServicer(self.store, self.ledger, weights, limits, self.metrics, self.rewards.on_trajectory)
         self._server = build_server(security, c.grpc.max_workers, c.grpc.max_message_bytes)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(rollouts, self._server)
         weights_pb2_grpc.add_WeightServiceServicer_to_server(weights, self._server)
@@ -289,6 +296,7 @@ class TrainerService:
             if self._http is not None:
                 self._http.shutdown()
                 self._http.server_close()
+            self.reward_pool.close()
             self.store.close()
             self.ledger.close()
             self.feeder.client.close()
