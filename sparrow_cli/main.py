@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "up": "sparrow_cli.up_cmd",
     "report": "sparrow_cli.report_cmd",
     "task": "sparrow_cli.task_cmd",
+    "export": "sparrow_cli.export_cmd",
 }
 
 
