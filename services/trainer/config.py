@@ -202,6 +202,17 @@ class DistillSection(ConfigSection):
     )
 
 
+class EvalConfig(ConfigSection):
+    """Evaluation during training on data.eval_files, through the generator fleet (services/trainer/evaluation.py)."""
+
+    every: int = Field(10, ge=0, description="Steps between evaluations (also before step 1, after the last); 0: off.")
+    k: int = Field(4, ge=1, le=1024, description="Samples per eval prompt: avg@k and pass@k (unbiased) per source.")
+    max_prompts: int = Field(0, ge=0, description="Eval prompts per round, the first of each source's rows; 0: all.")
+    timeout_s: float = Field(
+        900.0, gt=0, description="A round still incomplete after this long is reported with what came back."
+    )
+
+
 class TrainerServiceConfig(SparrowConfig):
     """The trainer service's whole config (TOML file, SPARROW_* environment, flags)."""
 
@@ -231,6 +242,7 @@ class TrainerServiceConfig(SparrowConfig):
     task: TaskConfig = Field(default_factory=TaskConfig, description="The built-in chain task.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation datasets.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of every group.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="GRPO + TIS.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")

@@ -153,6 +153,15 @@ class Feeder:
         self.ledger.add(record)
         return record
 
+    def add(self, record: GroupRecord) -> None:
+        """Record a group made elsewhere (an evaluation's) and put it on the stream; a Redis error leaves it
+        unqueued in the ledger, and the next tick enqueues it."""
+        self.ledger.add(record)
+        try:
+            self._enqueue(record)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("feeder: cannot enqueue %s now (%s); the next tick retries", record.group_id, exc)
+
     def _enqueue(self, record: GroupRecord, attempt: int = 0) -> None:
         group = PromptGroup(
             group_id=record.group_id,

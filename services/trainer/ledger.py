@@ -27,7 +27,9 @@ log = logging.getLogger("sparrow.trainer.ledger")
 
 LEDGER_NAME = "groups.log"
 OUTSTANDING, TAKEN, TRAINED, DROPPED, DEAD = "outstanding", "taken", "trained", "dropped", "dead"
-FINISHED = (TRAINED, DROPPED)
+EVALUATED = "evaluated"  # an evaluation group whose samples were scored (never trained)
+FINISHED = (TRAINED, DROPPED, EVALUATED)
+TRAIN, EVAL = "train", "eval"
 
 
 class LedgerError(RuntimeError):
@@ -50,6 +52,7 @@ class GroupRecord:
     data_source: str = "chain"  # ledgers written before datasets held chain groups only
     reward: str = "chain"
     extras: dict = field(default_factory=dict)  # the row's extra_info, for the reward
+    purpose: str = TRAIN  # or EVAL: a held-out prompt of an evaluation round, scored and never trained
 
 
 class GroupLedger:
@@ -103,7 +106,8 @@ class GroupLedger:
             rec = GroupRecord(**{**entry["group"], "prompt_token_ids": tuple(entry["group"]["prompt_token_ids"])})
             self._records[rec.group_id] = rec
             self._state.setdefault(rec.group_id, OUTSTANDING)
-            self.next_index = max(self.next_index, rec.index + 1)
+            if rec.purpose == TRAIN:  # eval groups are no place in the training prompt stream
+                self.next_index = max(self.next_index, rec.index + 1)
         elif kind == "queued":
             self._queued.add(gid)
         elif kind == "dead":
@@ -129,7 +133,8 @@ class GroupLedger:
             self._append({"kind": "enqueued", "group": asdict(record)})
             self._records[record.group_id] = record
             self._state[record.group_id] = OUTSTANDING
-            self.next_index = max(self.next_index, record.index + 1)
+            if record.purpose == TRAIN:
+                self.next_index = max(self.next_index, record.index + 1)
 
     def mark_queued(self, group_id: str) -> None:
         """The group is on the stream."""
@@ -166,10 +171,12 @@ class GroupLedger:
         with self._lock:
             return {gid for gid, s in self._state.items() if s == DEAD}
 
-    def outstanding(self) -> list[GroupRecord]:
-        """Groups enqueued and not yet taken by a step, oldest first."""
+    def outstanding(self, purpose: str = TRAIN) -> list[GroupRecord]:
+        """Groups of `purpose` enqueued and not yet taken by a step (or evaluated), oldest first."""
         with self._lock:
-            recs = [r for gid, r in self._records.items() if self._state.get(gid) == OUTSTANDING]
+            recs = [
+                r for gid, r in self._records.items() if self._state.get(gid) == OUTSTANDING and r.purpose == purpose
+            ]
         return sorted(recs, key=lambda r: r.index)
 
     def unqueued(self) -> list[GroupRecord]:

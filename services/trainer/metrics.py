@@ -76,6 +76,18 @@ class TrainerMetrics:
             ["reason"],
             registry=r,
         )
+        self.eval_avg = Gauge(
+            "sparrow_trainer_eval_avg_reward",
+            "Mean reward over the k samples of every eval prompt (avg@k), last evaluation, per source.",
+            ["source"],
+            registry=r,
+        )
+        self.eval_pass = Gauge(
+            "sparrow_trainer_eval_pass_ratio",
+            "Unbiased pass@k (Chen et al.) of the last evaluation, per source and k.",
+            ["source", "k"],
+            registry=r,
+        )
         for reason in REWARD_ERROR_REASONS:
             self.reward_errors.labels(reason=reason)
         for status in ACK_STATUSES:

@@ -100,6 +100,12 @@ class TrainerService:
             self.metrics,
         )
         self.feeder.restore(self.state.feeder)
+        from services.trainer.evaluation import Evaluator
+
+        self.evaluator = Evaluator(
+            config.eval, self.data, self.state.run_id, self.feeder, self.ledger, self.store, self.rewards,
+            self.metrics, self.run_dir, self.sampling,
+        )  # fmt: skip
         update = UpdateConfig(
             grpo=grpo,
             temperature=s.temperature,
@@ -117,6 +123,7 @@ class TrainerService:
             config.groups_per_step,
             config.max_staleness,
             self.distill,
+            self.data.stop_ids,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._health = self._http = None
@@ -213,14 +220,23 @@ class TrainerService:
         """Serve and train until `config.steps` are done or `stop` is set; checkpoint and stop cleanly."""
         self.start_servers()
         try:
+            if self.state.step == 0 and self.evaluator.due(0, self.config.steps):
+                self.feeder.tick()  # the consumer group exists before the first round goes on the stream
+                self.evaluator.start(0, self.state.policy_version)
             while not stop.is_set() and not self._done():
                 self.feeder.tick()
+                self.evaluator.poll()
                 batch, stale = self.runner.collect(self.state.policy_version)
                 self.state.dropped += stale
                 if batch is None:
                     self.store.wait(self.config.poll_s)
                     continue
                 self.train(batch)
+            # The last rounds report before the trainer stops (each bounded by eval.timeout_s).
+            while self.evaluator.pending and not stop.is_set():
+                self.feeder.tick()
+                self.evaluator.poll()
+                self.store.wait(self.config.poll_s)
         except BaseException:
             # The model may be part-way through an update: the last checkpoint is the state to resume.
             self._checkpoint_on_stop = False
@@ -250,6 +266,8 @@ class TrainerService:
             self.distill.publish(self.weights, self.state.policy_version, self.state.step)
         if self.state.step % self.config.checkpoint.every == 0:
             self.checkpoint()
+        if self.evaluator.due(self.state.step, self.config.steps):
+            self.evaluator.start(self.state.step, self.state.policy_version)
         report.seconds = time.monotonic() - start
         self.metrics.step_seconds.observe(report.seconds)
         self.metrics.steps.inc()

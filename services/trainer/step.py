@@ -63,6 +63,9 @@ class StepReport:
     distill: dict = field(default_factory=dict)  # the adapter's figures (services/trainer/distill_step.py)
     reward_by_source: dict = field(default_factory=dict)  # data_source -> mean reward of its samples
     reward_errors: int = 0  # samples scored 0 because their reward timed out, raised or returned no finite score
+    finished_stop: int = 0  # samples that ended at a stop id (an eos of the model or the config)
+    finished_length: int = 0  # samples that ran to max_new_tokens
+    finished_other: int = 0  # neither: a generator that stopped elsewhere (never expected)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,7 +110,9 @@ class StepRunner:
         groups_per_step: int,
         max_staleness: int,
         distill: DistillStep | None = None,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
+        self.stop_ids = frozenset(stop_ids)  # where a sample may end before max_new_tokens
         self.model = model
         self.optimizer = optimizer
         self.scorer = Scorer(model)  # the policy itself, dense attention: the "old" logprobs of this step
@@ -146,6 +151,7 @@ class StepRunner:
         rollouts, rewards, advantages = [], [], []
         by_source: dict[str, list[float]] = {}
         errors = 0
+        ends = {"stop": 0, "length": 0, "other": 0}
         for gid in group_ids:
             record = self.ledger.get(gid)
             samples = self.store.samples(gid)
@@ -153,6 +159,13 @@ class StepRunner:
             group_rewards = [r.score for r in results]
             errors += sum(r.error is not None for r in results)
             by_source.setdefault(record.data_source, []).extend(group_rewards)
+            for t in samples:
+                if t.token_ids and t.token_ids[-1] in self.stop_ids:
+                    ends["stop"] += 1
+                elif len(t.token_ids) >= record.max_new_tokens:
+                    ends["length"] += 1
+                else:
+                    ends["other"] += 1
             rollouts += [to_rollout(t) for t in samples]
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
@@ -205,6 +218,9 @@ class StepRunner:
             distill=distilled,
             reward_by_source={src: sum(v) / len(v) for src, v in sorted(by_source.items())},
             reward_errors=errors,
+            finished_stop=ends["stop"],
+            finished_length=ends["length"],
+            finished_other=ends["other"],
         )
         self._export(report)
         return report
