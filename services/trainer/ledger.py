@@ -166,6 +166,11 @@ class GroupLedger:
         with self._lock:
             return self._dead_reason.get(group_id, "")
 
+    def evaluated_ids(self) -> set[str]:
+        """Evaluation groups already scored and reported."""
+        with self._lock:
+            return {gid for gid, s in self._state.items() if s == EVALUATED}
+
     def dead_ids(self) -> set[str]:
         """Groups dead-lettered."""
         with self._lock:

@@ -292,8 +292,11 @@ class TrainerService:
         done = oldest.finished if oldest is not None else {}
         dead = self.ledger.dead_ids()
 
+        evaluated = self.ledger.evaluated_ids()
+
         def keep(gid: str) -> bool:
-            return gid not in done and gid not in dead
+            # Evaluation groups are scored and reported once; no checkpoint needs them back.
+            return gid not in done and gid not in dead and gid not in evaluated
 
         dropped = self.store.compact(keep)
         self.ledger.compact(keep)
