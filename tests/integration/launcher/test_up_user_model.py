@@ -49,7 +49,8 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
         "[trainer.sampling]\nn = 4\nmax_new_tokens = 16\n"
         "[trainer.eval]\nevery = 2\nk = 2\n"
         "[trainer.reward]\nworkers = 2\n"
-        '[generator.engine]\ndevice = "cpu"\nkernel_backend = "torch"\n'
+        # float32 as the trainer scores (the checkpoint is bf16; vLLM would serve it in bf16 on "auto")
+        '[generator.engine]\ndevice = "cpu"\nkernel_backend = "torch"\ndtype = "float32"\n'
     )
     run_dir = tmp_path / "run"
     up = UpProcess(
