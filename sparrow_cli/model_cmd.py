@@ -146,7 +146,22 @@ def _require_own_vocabulary(model_dir: str) -> None:
         )
 
 
-def _eval_data(args: argparse.Namespace) -> int:
+def evaluate_dataset(
+    model_dir: str,
+    data_file: str,
+    k: int,
+    max_new_tokens: int,
+    reward: str = "",
+    samples: int = 64,
+    seed: int = 0,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    device: str = "cpu",
+) -> dict:
+    """avg@k and pass@k per source of a model (its own tokenizer and chat template) on a dataset's first
+    `samples` prompts, scored by the dataset's rewards in the reward pool; CliError (one line) on bad input."""
+    from pathlib import Path
+
     import torch
 
     from services.trainer.config import TrainerServiceConfig
@@ -155,25 +170,22 @@ def _eval_data(args: argparse.Namespace) -> int:
     from trainer.evaluate_data import evaluate_prompts
     from trainer.model_io import ModelLoadError, load_model, load_tokenizer
 
-    if args.k < 1 or args.max_new_tokens < 1:
+    if k < 1 or max_new_tokens < 1:
         raise CliError("--k and --max-new-tokens must be at least 1")
-    torch.set_num_threads(args.threads)
-    from pathlib import Path
-
-    data_file = str(Path(args.data).resolve())
+    data_file = str(Path(data_file).resolve())
     config = TrainerServiceConfig(
-        model_dir=args.model,
-        data={"train_files": [data_file], "eval_files": [data_file], "prompt_key": args.prompt_key,
-              "answer_key": args.answer_key},
-        reward={"name": args.reward},
+        model_dir=model_dir,
+        data={"train_files": [data_file], "eval_files": [data_file], "prompt_key": prompt_key,
+              "answer_key": answer_key},
+        reward={"name": reward},
     )  # fmt: skip
     try:
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(model_dir)
         data = build_training_data(config, tokenizer)
-        model = load_model(args.model, device=args.device)
+        model = load_model(model_dir, device=device)
     except (DataInputError, ModelLoadError) as exc:
         raise CliError(str(exc)) from None
-    prompts = data.eval[0].prompts[: args.samples]
+    prompts = data.eval[0].prompts[:samples]
     pool = RewardPool(workers=2, timeout_s=config.reward.timeout_s)
 
     def score(prompt, texts):
@@ -184,18 +196,26 @@ def _eval_data(args: argparse.Namespace) -> int:
 
     try:
         with torch.no_grad():
-            results = evaluate_prompts(
-                model, tokenizer, prompts, args.k, args.max_new_tokens, data.stop_ids, score, args.seed
-            )
+            sources = evaluate_prompts(model, tokenizer, prompts, k, max_new_tokens, data.stop_ids, score, seed)
     finally:
         pool.close()
-    report = {"model": args.model, "data": args.data, "k": args.k, "rewards": data.rewards, "sources": results}
+    return {"model": model_dir, "data": data_file, "k": k, "rewards": data.rewards, "sources": sources}
+
+
+def _eval_data(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = evaluate_dataset(
+        args.model, args.data, args.k, args.max_new_tokens, args.reward, args.samples, args.seed,
+        args.prompt_key, args.answer_key, args.device,
+    )  # fmt: skip
     if args.json:
         from sparrow_cli.output import emit_json
 
         emit_json(report)
     else:
-        for src, fig in results.items():
+        for src, fig in report["sources"].items():
             figures = " ".join(f"{key} {value:.3f}" for key, value in fig.items() if "@" in key)
             print(f"{src}: {fig['prompts']} prompts x {args.k} samples: {figures}")
     return 0
