@@ -38,3 +38,50 @@ def test_eval_rounds_report_avg_and_pass_at_k(tmp_path):
     trained = {gid for s in _steps(tmp_path / "run") for gid in s["groups"]}
     assert not any("-eval" in gid for gid in trained)
     assert pass_at_k(4, 1, 4) == 1.0
+
+
+FLAKY_REWARD = """
+import math, time
+from pathlib import Path
+
+def score(response, ground_truth, extras):
+    # A call counter shared across worker processes (a killed worker's successor continues it).
+    log = Path(extras["options"]["log"])
+    with log.open("a") as f:
+        f.write("x")
+    n = len(log.read_text()) - 1
+    if n % 4 == 0:
+        time.sleep(60)
+    if n % 4 == 1:
+        raise RuntimeError("grader crashed")
+    if n % 4 == 2:
+        return math.nan
+    return 1.0
+"""
+
+
+@pytest.mark.slow
+def test_rewards_that_hang_raise_or_return_nan_score_zero_and_the_step_completes(tmp_path):
+    reward_file = tmp_path / "flaky.py"
+    reward_file.write_text(FLAKY_REWARD)
+    name = f"{reward_file}:score"
+    extra = {
+        "steps": 1,
+        "reward.name": name,
+        "reward.workers": 1,
+        "reward.timeout_s": 1.0,
+        "reward.options": {name: {"log": str(tmp_path / "calls.log")}},
+    }
+    with redis_server() as redis:
+        config = _config(tmp_path / "run", redis.url, **extra)
+        with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
+            wait_until(lambda: len(_steps(tmp_path / "run")) >= 1, 240, "the step, whatever the rewards did")
+            metrics = _metrics(service.metrics_port)
+    [step] = _steps(tmp_path / "run")
+    # Rewards run as trajectories arrive, for the next groups too: which calls the step's samples got varies,
+    # but every sample scored either 1 or 0 with an error counted.
+    assert step["samples"] == 8
+    assert step["reward_errors"] + round(step["reward_mean"] * 8) == 8
+    # One worker runs the calls in turn: the step's 8 scores mean calls 0-7 all ended, two of each failure.
+    for reason in ("timeout", "raised", "non_finite"):
+        assert metrics[f"sparrow_trainer_reward_errors_total{{reason={reason}}}"] >= 2
