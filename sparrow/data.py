@@ -1,9 +1,11 @@
-"""Loading user prompt sets from JSONL or Parquet files (pure Python; pyarrow only for Parquet).
+"""Loading user datasets and prompt sets from JSONL or Parquet files, or folders of their shards.
 
-Every row needs a prompt (a non-empty string) and may carry an answer (a string or a number). A
-row that breaks this is reported with its line number (JSONL) or row number (Parquet, from 1) and,
-by the caller's choice, skipped or made fatal; skipped rows come back with the prompts, so nothing
-is dropped silently. A set left without prompts is an error.
+`load_samples` reads a training or evaluation source through the HF `datasets` library (local
+files only), in the row shapes of `sparrow/rows.py` (verl's, or plain prompt/answer rows).
+`load_prompts` reads a plain prompt file (a prompt string and an optional answer per row).
+Either way a row that does not fit is reported with its line number (JSONL) or row number
+(Parquet, from 1) and, by the caller's choice, skipped or made fatal; skipped rows come back with
+the rest, so nothing is dropped silently. A set left without rows is an error.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sparrow.rows import BadRow, RowShape, Sample, parse_row
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -31,18 +35,6 @@ class PromptRow:
     prompt: str
     answer: str | None
     line: int  # JSONL line number, or Parquet row number, counted from 1
-
-
-@dataclass(frozen=True)
-class BadRow:
-    """A row that was skipped, and why."""
-
-    line: int  # JSONL line number, or Parquet row number, counted from 1
-    reason: str
-    unit: str = "line"  # "row" for Parquet
-
-    def __str__(self) -> str:
-        return f"{self.unit} {self.line}: {self.reason}"
 
 
 @dataclass
@@ -164,3 +156,107 @@ def _describe(value: Any) -> str:
     if isinstance(value, str):
         return "a blank string"
     return type(value).__name__
+
+
+@dataclass
+class SampleSet:
+    """The usable rows of one source (a file or a folder of shards) and the report of every row skipped."""
+
+    path: Path
+    samples: list[Sample]
+    skipped: list[BadRow] = field(default_factory=list)
+
+
+def source_files(path: str | Path) -> list[Path]:
+    """The data files of a source: the file itself, or a folder's JSONL or Parquet shards in name order."""
+    src = Path(path)
+    if src.is_dir():
+        known = JSONL_SUFFIXES + PARQUET_SUFFIXES
+        files = sorted(p for p in src.rglob("*") if p.is_file() and p.suffix.lower() in known)
+        if not files:
+            raise DataError(f"{src}: the folder holds no .jsonl or .parquet files")
+        kinds = {p.suffix.lower() in PARQUET_SUFFIXES for p in files}
+        if len(kinds) > 1:
+            raise DataError(f"{src}: the folder mixes JSONL and Parquet shards; keep one format per source")
+        return files
+    if not src.is_file():
+        raise DataError(f"{src}: no such data file or folder")
+    if src.suffix.lower() not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
+        raise DataError(f"{src}: unknown data file type {src.suffix!r}; expected .jsonl or .parquet")
+    return [src]
+
+
+def load_samples(
+    path: str | Path, shape: RowShape | None = None, on_bad_row: str = "stop", data_source: str | None = None
+) -> SampleSet:
+    """Read one source (a `.jsonl`/`.parquet` file or a folder of shards) into Samples.
+
+    `data_source` names rows that carry none (default: the file or folder name without suffix).
+    `on_bad_row`: "stop" raises DataError at the first bad row, "skip" reports it in `skipped`. A
+    missing file, an unknown format, no prompt column or no usable row at all is a DataError either way.
+    """
+    if on_bad_row not in BAD_ROW_POLICIES:
+        raise ValueError(f"on_bad_row must be one of {BAD_ROW_POLICIES}, got {on_bad_row!r}")
+    shape = shape or RowShape()
+    src = Path(path)
+    default_source = data_source or src.stem
+    result = SampleSet(path=src, samples=[])
+    for file in source_files(src):
+        parquet = file.suffix.lower() in PARQUET_SUFFIXES
+        records, unit = (_hf_records(file, "parquet"), "row") if parquet else (_jsonl_dataset(file), "line")
+        columns = _columns(records)
+        if columns is not None and shape.prompt_key not in columns:
+            raise DataError(
+                f"{file}: no prompt column {shape.prompt_key!r} (columns: {', '.join(columns)}); set prompt_key"
+            )
+        for line, record in records:
+            row = parse_row(record, line, shape, default_source, unit, str(file))
+            if isinstance(row, Sample):
+                result.samples.append(row)
+            elif on_bad_row == "stop":
+                raise DataError(f"{row} (on_bad_row = 'skip' skips bad rows)")
+            else:
+                result.skipped.append(row)
+    if not result.samples:
+        note = f" ({len(result.skipped)} bad rows skipped, the first at {result.skipped[0]})" if result.skipped else ""
+        raise DataError(f"{src}: no usable rows{note}")
+    return result
+
+
+def _columns(records: list[tuple[int, Record]]) -> list[str] | None:
+    """Every field any row of a file has, in first-seen order; None when no row is an object."""
+    seen: dict[str, None] = {}
+    for _, r in records:
+        if isinstance(r, dict):
+            seen.update(dict.fromkeys(r))
+    return list(seen) if seen else None
+
+
+def _hf_records(file: Path, builder: str) -> list[tuple[int, Record]]:
+    """Rows read by the HF `datasets` library (local files only: no hub access)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{file}: reading datasets needs the `datasets` package (pip install datasets)") from None
+    datasets.disable_progress_bars()
+    # A file it refuses is reported here in one line (JSONL is then read line by line), not logged by it too.
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(file)], split="train", keep_in_memory=True)
+    except Exception as exc:  # pyarrow and datasets raise many types for broken files
+        raise DataError(f"{file}: not a readable {builder} file ({_first_line(exc)})") from None
+    return list(enumerate(ds.to_list(), start=1))
+
+
+def _jsonl_dataset(file: Path) -> list[tuple[int, Record]]:
+    # The datasets loader takes a whole file or nothing: a file it refuses (a broken line, rows of
+    # different shapes) is read line by line, so each bad line is reported with its number.
+    try:
+        return _hf_records(file, "json")
+    except DataError:
+        return _jsonl_records(file)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

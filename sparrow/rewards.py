@@ -160,3 +160,16 @@ def math_reward(output: object, reference: object) -> float:
         return 1.0 if a and a == b else 0.0
     except Exception:  # a reward must never take down a rollout
         return 0.0
+
+
+# -- the registry's entry points: (response text, ground truth, row extras) -> score ---------------------------
+
+
+def chain_score(response: str, ground_truth: str | None, extras: dict) -> float:
+    """`chain`: the last `\\boxed{}` is exactly the ground truth (the built-in chain task)."""
+    return chain_reward(response, ground_truth or "") if ground_truth is not None else 0.0
+
+
+def boxed_score(response: str, ground_truth: str | None, extras: dict) -> float:
+    """`boxed`: the last `\\boxed{}` equals the ground truth after normalisation (numbers, fractions, text)."""
+    return math_reward(response, ground_truth) if ground_truth is not None else 0.0

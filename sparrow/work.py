@@ -25,6 +25,7 @@ GROUP_FIELD = "group"
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_SAMPLES = 1024
+MAX_STOP_TOKENS = 64
 
 
 class WorkItemError(ValueError):
@@ -39,6 +40,7 @@ class Sampling:
     top_p: float = 1.0
     max_new_tokens: int = 256
     top_logprobs: int = 20
+    stop_token_ids: tuple[int, ...] = ()  # generation ends at any of these (the model's eos ids and the config's)
 
 
 @dataclass(frozen=True)
@@ -153,10 +155,17 @@ def _finite(x: int | float) -> bool:
 def _sampling(gid: str, d: Any) -> Sampling:
     if not isinstance(d, dict):
         raise WorkItemError(f"group {gid}: sampling must be an object")
-    unknown = set(d) - {"temperature", "top_p", "max_new_tokens", "top_logprobs"}
+    unknown = set(d) - {"temperature", "top_p", "max_new_tokens", "top_logprobs", "stop_token_ids"}
     if unknown:
         raise WorkItemError(f"group {gid}: sampling has unknown fields: {', '.join(sorted(unknown))}")
-    s = Sampling(**d)
+    stops = d.get("stop_token_ids", [])
+    if (
+        not isinstance(stops, list)
+        or len(stops) > MAX_STOP_TOKENS
+        or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_PROMPT_TOKENS for t in stops)
+    ):
+        raise WorkItemError(f"group {gid}: sampling.stop_token_ids must be a list of at most {MAX_STOP_TOKENS} ids")
+    s = Sampling(**{**d, "stop_token_ids": tuple(stops)})
     if not isinstance(s.temperature, int | float) or not (0 < s.temperature <= 10):
         raise WorkItemError(f"group {gid}: sampling.temperature must be in (0, 10]")
     if not isinstance(s.top_p, int | float) or not (0 < s.top_p <= 1):
@@ -169,4 +178,4 @@ def _sampling(gid: str, d: Any) -> Sampling:
         raise WorkItemError(f"group {gid}: sampling.max_new_tokens must be a positive integer")
     if not isinstance(s.top_logprobs, int) or isinstance(s.top_logprobs, bool) or not (0 <= s.top_logprobs <= 20):
         raise WorkItemError(f"group {gid}: sampling.top_logprobs must be an integer in [0, 20]")
-    return Sampling(float(s.temperature), float(s.top_p), s.max_new_tokens, s.top_logprobs)
+    return Sampling(float(s.temperature), float(s.top_p), s.max_new_tokens, s.top_logprobs, s.stop_token_ids)

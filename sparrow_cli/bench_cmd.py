@@ -109,6 +109,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--plot", default=None, help="write the figure here (PNG)")
     h.add_argument("--out", default=None, help="write the whole result here (JSON)")
     h.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    h.add_argument("--data", metavar="FILE", help="a dataset instead of the chain task (any model): pass@k per version")
+    h.add_argument("--k", type=int, default=4, help="samples per prompt with --data (default 4)")
+    h.add_argument("--max-new-tokens", type=int, default=512, help="longest response with --data (default 512)")
     h.add_argument("--json", action="store_true", help="print JSON")
     s = sub.add_parser(
         "trainer-streams", help="many generators' streams and watches held open on one trainer: health, acks"
@@ -234,6 +237,14 @@ def _heldout(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     say = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    if args.data is not None:
+        result = _heldout_data(args, say)
+        print(json.dumps(result) if args.json else "\n".join(
+            f"{name}: {run['change']}" for name, run in result["runs"].items()))  # fmt: skip
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+    _refuse_other_vocabularies(args.run_dirs)
     try:
         result = heldout_curve(
             [Path(d) for d in args.run_dirs], difficulties, args.every, args.samples, args.seed, log=say
@@ -250,6 +261,53 @@ def _heldout(args: argparse.Namespace) -> int:
         for name, run in result["runs"].items():
             print(f"{name}: change in held-out accuracy over the run: {run['change']}")
     return 0
+
+
+def _refuse_other_vocabularies(run_dirs: list[str]) -> None:
+    """The chain task is written in the project's vocabulary: a run of another model needs --data."""
+    from pathlib import Path
+
+    from bench.heldout import HeldoutError, policy_versions, runs_in
+    from sparrow_cli.model_cmd import _require_own_vocabulary
+
+    for folder in run_dirs:
+        try:
+            for path in runs_in(Path(folder)).values():
+                versions = policy_versions(path)
+                _require_own_vocabulary(str(versions[min(versions)]))
+        except HeldoutError:
+            continue  # heldout_curve reports it in its own words
+
+
+def _heldout_data(args: argparse.Namespace, say) -> dict:
+    """pass@k and avg@k per source of every N-th published version of each run, on a dataset."""
+    from pathlib import Path
+
+    from bench.heldout import HeldoutError, pick, policy_versions, runs_in
+    from sparrow_cli.model_cmd import evaluate_dataset
+
+    out: dict = {"data": args.data, "k": args.k, "samples": args.samples, "runs": {}}
+    for folder in args.run_dirs:
+        try:
+            runs = runs_in(Path(folder))
+        except HeldoutError as exc:
+            raise CliError(str(exc)) from None
+        for name, path in runs.items():
+            try:
+                versions = policy_versions(path)
+            except HeldoutError as exc:
+                raise CliError(str(exc)) from None
+            points = []
+            for v in pick(list(versions), args.every):
+                r = evaluate_dataset(str(versions[v]), args.data, args.k, args.max_new_tokens, samples=args.samples,
+                                     seed=args.seed)  # fmt: skip
+                points.append({"version": v, "after_step": v - 1, "sources": r["sources"]})
+                say(f"{name} v{v}: " + ", ".join(f"{s} pass@{args.k} {f.get(f'pass@{args.k}', 0):.3f}"
+                                              for s, f in r["sources"].items()))  # fmt: skip
+            first, last = points[0]["sources"], points[-1]["sources"]
+            change = {s: round(last[s][f"pass@{args.k}"] - first[s][f"pass@{args.k}"], 4) for s in first if s in last}
+            out["runs"][name] = {"path": str(path), "points": points, "change": change}
+    return out
 
 
 def _attention(args: argparse.Namespace) -> int:

@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "up": "sparrow_cli.up_cmd",
     "report": "sparrow_cli.report_cmd",
     "sandbox": "sparrow_cli.sandbox_cmd",
+    "task": "sparrow_cli.task_cmd",
+    "export": "sparrow_cli.export_cmd",
 }
 
 

@@ -35,15 +35,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--json", action="store_true", help="print build.json's content as JSON (progress goes to stderr)")
     b.set_defaults(handler=run)
 
-    e = sub.add_parser("eval", help="held-out accuracy per difficulty, greedy and sampled (temperature 1.0)")
-    e.add_argument("--model", required=True, help="a folder written by `sparrow model build`")
+    e = sub.add_parser(
+        "eval", help="held-out accuracy: chain difficulties (own models) or a dataset (--data, any model)"
+    )
+    e.add_argument("--model", required=True, help="an HF-format model folder")
     e.add_argument(
         "--difficulty",
         type=_difficulty,
         action="append",
-        required=True,
-        help="PAIRS:HOPS, repeatable (e.g. --difficulty 64:64 --difficulty 144:144)",
+        help="PAIRS:HOPS of the chain task, repeatable (the project's own models only)",
     )
+    e.add_argument("--data", metavar="FILE", help="a JSONL/Parquet dataset (verl's or plain rows): avg@k and pass@k")
+    e.add_argument("--k", type=int, default=4, help="samples per prompt with --data (default 4)")
+    e.add_argument("--max-new-tokens", type=int, default=512, help="longest response with --data (default 512)")
+    e.add_argument("--reward", default="", help="reward of every source with --data (default: by data_source)")
+    e.add_argument("--prompt-key", default="prompt", help="prompt column of plain rows (default prompt)")
+    e.add_argument("--answer-key", default="answer", help="answer column of plain rows (default answer)")
     e.add_argument("--samples", type=int, default=64, help="held-out prompts per difficulty (default 64)")
     e.add_argument("--seed", type=int, default=0, help="seed of the held-out draw and of sampling (default 0)")
     e.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -98,6 +105,11 @@ def _build(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import torch
 
+    if (args.data is None) == (args.difficulty is None):
+        raise CliError("give --difficulty PAIRS:HOPS (the chain task) or --data FILE (a dataset), one of them")
+    if args.data is not None:
+        return _eval_data(args)
+
     from sparrow.tasks import ChainTask, TaskError
     from trainer.evaluate import evaluate
     from trainer.model_io import ModelLoadError, load_model
@@ -108,6 +120,7 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         tasks = [ChainTask(p, h, min_hops=h) for p, h in args.difficulty]
         model = load_model(args.model, device=args.device)
+        _require_own_vocabulary(args.model)
     except (TaskError, ModelLoadError) as exc:
         raise CliError(str(exc)) from None
     quiet = args.json
@@ -117,4 +130,92 @@ def _eval(args: argparse.Namespace) -> int:
         from sparrow_cli.output import emit_json
 
         emit_json({"model": args.model, "seed": args.seed, "results": rows})
+    return 0
+
+
+def _require_own_vocabulary(model_dir: str) -> None:
+    """The chain difficulties are written in the project's word vocabulary; another tokenizer cannot read them."""
+    from sparrow.tasks.vocab import VOCAB
+    from trainer.model_io import load_tokenizer
+
+    tok = load_tokenizer(model_dir)
+    if len(tok) != len(VOCAB) or tok.convert_ids_to_tokens(len(VOCAB) - 1) != VOCAB[-1]:
+        raise CliError(
+            f"{model_dir} has its own tokenizer ({len(tok)} tokens): --difficulty evaluates the project's own models "
+            "on the chain task; evaluate this model on a dataset with --data FILE"
+        )
+
+
+def evaluate_dataset(
+    model_dir: str,
+    data_file: str,
+    k: int,
+    max_new_tokens: int,
+    reward: str = "",
+    samples: int = 64,
+    seed: int = 0,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    device: str = "cpu",
+) -> dict:
+    """avg@k and pass@k per source of a model (its own tokenizer and chat template) on a dataset's first
+    `samples` prompts, scored by the dataset's rewards in the reward pool; CliError (one line) on bad input."""
+    from pathlib import Path
+
+    import torch
+
+    from services.trainer.config import TrainerServiceConfig
+    from services.trainer.reward_pool import RewardPool
+    from services.trainer.training_data import DataInputError, build_training_data
+    from trainer.evaluate_data import evaluate_prompts
+    from trainer.model_io import ModelLoadError, load_model, load_tokenizer
+
+    if k < 1 or max_new_tokens < 1:
+        raise CliError("--k and --max-new-tokens must be at least 1")
+    data_file = str(Path(data_file).resolve())
+    config = TrainerServiceConfig(
+        model_dir=model_dir,
+        data={"train_files": [data_file], "eval_files": [data_file], "prompt_key": prompt_key,
+              "answer_key": answer_key},
+        reward={"name": reward},
+    )  # fmt: skip
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        data = build_training_data(config, tokenizer)
+        model = load_model(model_dir, device=device)
+    except (DataInputError, ModelLoadError) as exc:
+        raise CliError(str(exc)) from None
+    prompts = data.eval[0].prompts[:samples]
+    pool = RewardPool(workers=2, timeout_s=config.reward.timeout_s)
+
+    def score(prompt, texts):
+        s = prompt.sample
+        extras = {**s.extras, "data_source": s.data_source, "options": {}}
+        futures = [pool.submit(data.rewards[s.data_source], t, s.ground_truth, extras) for t in texts]
+        return [f.result().score for f in futures]
+
+    try:
+        with torch.no_grad():
+            sources = evaluate_prompts(model, tokenizer, prompts, k, max_new_tokens, data.stop_ids, score, seed)
+    finally:
+        pool.close()
+    return {"model": model_dir, "data": data_file, "k": k, "rewards": data.rewards, "sources": sources}
+
+
+def _eval_data(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = evaluate_dataset(
+        args.model, args.data, args.k, args.max_new_tokens, args.reward, args.samples, args.seed,
+        args.prompt_key, args.answer_key, args.device,
+    )  # fmt: skip
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json(report)
+    else:
+        for src, fig in report["sources"].items():
+            figures = " ".join(f"{key} {value:.3f}" for key, value in fig.items() if "@" in key)
+            print(f"{src}: {fig['prompts']} prompts x {args.k} samples: {figures}")
     return 0

@@ -25,6 +25,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--compare", action="store_true", help="run dense, then sparse, and compare them")
     p.add_argument("--engine", choices=["vllm", "reference"], help="generator engine (engine)")
     p.add_argument("--run-dir", metavar="DIR", help="the run folder, new or empty (run_dir)")
+    p.add_argument(
+        "--data", metavar="FILE", action="append", help="training dataset, repeatable (trainer.data.train_files)"
+    )
+    p.add_argument(
+        "--eval-data", metavar="FILE", action="append", help="held-out dataset, repeatable (trainer.data.eval_files)"
+    )
+    p.add_argument("--reward", metavar="NAME", help="chain, boxed, math, module:fn or file.py:fn (trainer.reward.name)")
     p.add_argument("--json", action="store_true", help="quiet: one JSON object per step, then a summary")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     add_set_flag(p, "trainer.optim.lr=2e-6 --set controller.interval_s=2")
@@ -53,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
         "dense": True if args.dense else None,
         "engine": args.engine,
         "run_dir": args.run_dir,
+        # Paths as the user typed them, from where sparrow up was started (the services start elsewhere).
+        "trainer.data.train_files": _paths(args.data),
+        "trainer.data.eval_files": _paths(args.eval_data),
+        "trainer.reward.name": args.reward,
     }
     try:
         sets = parse_set_flags(UpConfig, args.set, service_schemas())
@@ -108,6 +119,12 @@ def _dry_run(config, as_json: bool) -> int:
         raise CliError(str(exc)) from None
     print(json.dumps(summary(ctx)) if as_json else "\n".join(text(ctx)))
     return 0
+
+
+def _paths(files: list[str] | None) -> list[str] | None:
+    from pathlib import Path
+
+    return [str(Path(f).resolve()) for f in files] if files else None
 
 
 def _print_compare(summary: dict, as_json: bool) -> None:

@@ -29,6 +29,7 @@ from services.generator.engine import (
     RolloutEngine,
 )
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
+from sparrow.prompts import stop_token_ids
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 from trainer import sparse_attention
@@ -65,8 +66,8 @@ class ReferenceEngine(RolloutEngine):
         self.max_lora_rank = max_lora_rank
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
-        eos = cfg.eos_token_id
-        self.eos_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        # config.json's eos and generation_config.json's (Qwen3 lists two there, one in config.json)
+        self.eos_ids = list(stop_token_ids(None, model_dir))
         self._queue: deque[tuple[PromptGroup, float]] = deque()
         self._schedule: Schedule | None = None
         self._probe: Probe | None = None
@@ -121,7 +122,8 @@ class ReferenceEngine(RolloutEngine):
         positions = torch.arange(plen, device=self.device)[None].expand(n, plen)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache).logits[:, -1]
         rows = [_Row() for _ in range(n)]
-        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=self.device)
+        stops = list(dict.fromkeys([*self.eos_ids, *s.stop_token_ids]))
+        eos = torch.tensor(stops, dtype=torch.long, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         budgets = torch.zeros(n, dtype=torch.long, device=self.device)  # the first token: dense prefill
         for step in range(max_new):
@@ -157,7 +159,7 @@ class ReferenceEngine(RolloutEngine):
                 top_logprobs=r.top_logprobs,
                 kv_budgets=r.budgets,
                 versions=versions,
-                finish_reason=FINISH_STOP if r.tokens[-1] in self.eos_ids else FINISH_LENGTH,
+                finish_reason=FINISH_STOP if r.tokens[-1] in stops else FINISH_LENGTH,
                 queue_seconds=start - submitted,
                 generate_seconds=elapsed,
                 probe=bool(probing[i]),

@@ -248,6 +248,8 @@ class VllmEngine(RolloutEngine):
                 logprobs=s.top_logprobs,
                 detokenize=False,
                 ignore_eos=self.config.ignore_eos,
+                # Every eos id of the model (Qwen3 lists two) and the trainer's own; vLLM alone stops at one.
+                stop_token_ids=[] if self.config.ignore_eos else list(s.stop_token_ids),
                 flat_logprobs=True,
                 output_kind=RequestOutputKind.DELTA,
             )

@@ -17,6 +17,7 @@ from pathlib import Path
 from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM, PromptGroup, WorkItemError
 
 WORK_FILE = "work.json"
+EVAL_TAG = "eval"  # eval group ids: <run id>-eval<round>-<source>-<i>; training groups: <run id>-<8 digits>
 
 
 def stream_group_ids(redis_client, stream: str) -> list[str]:
@@ -76,7 +77,11 @@ def account(redis_client, trainer_dir: Path) -> dict:
     """What became of every group: counts plus the ids of any lost or trained twice."""
     record = trainer_record(trainer_dir)
     prefix = f"{record['run_id']}-" if record["run_id"] else ""
-    on_stream = [g for g in stream_group_ids(redis_client, PROMPTS_STREAM) if g.startswith(prefix)]
+    everything = [g for g in stream_group_ids(redis_client, PROMPTS_STREAM) if g.startswith(prefix)]
+    # Evaluation rounds' groups (services/trainer/evaluation.py) are scored, never trained: counted apart.
+    evals = {g for g in everything if g[len(prefix) :].startswith(EVAL_TAG)}
+    on_stream = [g for g in everything if g not in evals]
+    ledger = {g for g in record["ledger"] if not g[len(prefix) :].startswith(EVAL_TAG)}
     dead_lettered = {g for g in stream_group_ids(redis_client, DEAD_LETTER_STREAM) if g.startswith(prefix)}
     try:
         pending = int(redis_client.xpending(PROMPTS_STREAM, GENERATOR_GROUP)["pending"])
@@ -85,9 +90,9 @@ def account(redis_client, trainer_dir: Path) -> dict:
     trained = Counter(gid for step in record["history"] for gid in step)
     dropped = set(record["dropped"])
     finished = set(trained) | dropped
-    known = finished | record["ledger"] | record["dead"] | dead_lettered
+    known = finished | ledger | record["dead"] | dead_lettered
     groups = set(on_stream)
-    waiting = sorted((groups | record["ledger"]) - finished - record["dead"] - dead_lettered)
+    waiting = sorted((groups | ledger) - finished - record["dead"] - dead_lettered)
     return {
         "groups_enqueued": len(groups),
         "stream_entries": len(on_stream),
@@ -99,4 +104,5 @@ def account(redis_client, trainer_dir: Path) -> dict:
         "lost": sorted(groups - known),
         "trained_twice": sorted(g for g, n in trained.items() if n > 1),
         "trained_and_dropped": sorted(set(trained) & dropped),
+        "eval_groups": len(evals),
     }

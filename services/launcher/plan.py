@@ -105,6 +105,18 @@ def require_fresh_run_dir(run_dir: Path) -> None:
         raise SetupError(f"run folder {run_dir} exists and is not empty; choose another --run-dir")
 
 
+def check_training_data(trainer: TrainerServiceConfig, model_dir: Path) -> None:
+    """Load, template and check the trainer's datasets and rewards as it will: SetupError (one line) now,
+    before any service starts, rather than a trainer that exits after Redis and the generators are up."""
+    from services.trainer.training_data import DataInputError, build_training_data
+    from trainer.model_io import ModelLoadError, load_tokenizer
+
+    try:
+        build_training_data(trainer, load_tokenizer(model_dir), model_dir)
+    except (DataInputError, ModelLoadError) as exc:
+        raise SetupError(str(exc)) from None
+
+
 def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written."""
     run_dir = (run_dir or Path(up.run_dir or default_run_dir())).resolve()
@@ -130,6 +142,8 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     except ValueError as exc:
         raise SetupError(str(exc)) from None
     children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
+    if not build:  # the own model is built at start; its chain rows need no check
+        check_training_data(children.trainer, model_dir)
     note = "Written by sparrow up for this run; the service token comes from the environment."
     files = {"trainer.toml": config_text(children.trainer, "trainer", note)}
     files.update({f"{g.generator_id}.toml": config_text(g, "generator", note) for g in children.generators})

@@ -14,6 +14,7 @@ import json
 import math
 from pathlib import Path
 
+from services.launcher.eval_report import eval_section, read_evals
 from services.launcher.history import read_history
 
 REPORT_DIR = "report"
@@ -200,6 +201,7 @@ def build_report(run_dir: Path) -> Path:
         ]
     for name, (title, _, _) in PLOTS.items():
         md += ["", f"## {title}", "", f"![{title}]({name}.png)"]
+    md += eval_section(read_evals(run_dir / "trainer"), out)
     md += ["", "## Steps", "", *step_table(rows), ""]
     path = out / "report.md"
     path.write_text("\n".join(md))

@@ -24,6 +24,7 @@ from pathlib import Path
 from services.launcher.accounting import WORK_FILE, account
 from services.launcher.cluster import Cluster, StartError, describe_exit
 from services.launcher.config import UpConfig
+from services.launcher.eval_report import read_evals
 from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
 from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
@@ -261,6 +262,7 @@ class UpRun:
             "final_schedule": final_schedule,
             "exits": self.exits,
             "work": work,
+            "evals": read_evals(p.run_dir / "trainer"),
             "run": {
                 "model": str(p.model_dir.name),
                 "engine": p.up.engine,

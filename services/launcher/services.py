@@ -75,7 +75,9 @@ class ChildConfigs:
 
 
 def prompt_tokens(trainer: TrainerServiceConfig) -> int:
-    """Prompt length of the chain task: 3 tokens per pair plus the query's 5."""
+    """The longest prompt: a dataset's max_prompt_tokens, or the chain task's 3 tokens per pair plus the query's 5."""
+    if trainer.data.train_files or trainer.data.eval_files:
+        return trainer.data.max_prompt_tokens
     return 3 * trainer.task.pairs + 5
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
@@ -58,13 +58,63 @@ class MetricsConfig(ConfigSection):
 
 
 class TaskConfig(ConfigSection):
-    """The prompts the feeder draws: the chain-following task (sparrow/tasks/chain.py)."""
+    """The built-in chain-following task (sparrow/tasks/chain.py): the dataset when data.train_files is empty."""
 
     pairs: int = Field(16, ge=2, description="Pairs in each prompt's context.")
     min_hops: int = Field(1, ge=1, description="Fewest hops of a query.")
     max_hops: int = Field(16, ge=1, description="Most hops of a query.")
     name_pool: int | None = Field(None, description="Names drawn from (None: the task's default).")
-    seed: int = Field(0, ge=0, description="Seed of the training prompt stream.")
+    seed: int = Field(0, ge=0, description="Seed of the chain rows generated.")
+    count: int = Field(8192, ge=1, description="Chain rows generated as the training set (drawn epoch after epoch).")
+
+
+class DataConfig(ConfigSection):
+    """The training and evaluation datasets (sparrow/data.py, sparrow/rows.py, sparrow/prompts.py)."""
+
+    train_files: list[str] = Field(
+        [], description="JSONL/Parquet files or folders of shards, one source each; empty: the chain task ([task])."
+    )
+    ratios: list[float] = Field([], description="Mixing ratio of each train_files source; empty: 1 each.")
+    eval_files: list[str] = Field([], description="Held-out JSONL/Parquet files or folders ([eval] runs on them).")
+    prompt_key: str = Field("prompt", min_length=1, description="Column of the prompt (a string or chat messages).")
+    answer_key: str = Field(
+        "answer", min_length=1, description="Answer column of plain rows (verl's reward_model.ground_truth first)."
+    )
+    answer_extraction: Literal["none", "gsm8k"] = Field(
+        "none", description="gsm8k: the answer is the text after '####' (GSM8K's solutions)."
+    )
+    on_bad_row: Literal["skip", "stop"] = Field(
+        "skip", description="A row that fits no shape: skipped (counted, logged with its row number) or fatal."
+    )
+    max_prompt_tokens: int = Field(1024, ge=1, description="Longest prompt after templating; longer ones are filtered.")
+    on_long_prompt: Literal["skip", "error"] = Field(
+        "skip", description="A prompt over max_prompt_tokens: filtered out with a count, or a start error."
+    )
+    chat_template: str = Field(
+        "auto",
+        min_length=1,
+        description="auto (the tokenizer's template, else raw text), tokenizer, none (raw text), or a .jinja file.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        {}, description="Passed to the template, e.g. {enable_thinking = false} for Qwen3."
+    )
+    system_prompt: str = Field("", description="A system message put before prompts that have none; empty: none.")
+    shuffle: bool = Field(True, description="Draw each source's rows in a fresh random order every epoch.")
+    seed: int = Field(0, ge=0, description="Seed of the mix and the shuffles.")
+
+
+class RewardConfig(ConfigSection):
+    """Rewards (sparrow/reward_registry.py), computed in worker processes as trajectories arrive."""
+
+    name: str = Field(
+        "", description="Every source's reward (chain, boxed, math, module:fn, file.py:fn); empty: by data_source."
+    )
+    by_source: dict[str, str] = Field({}, description="Reward per data_source, over `name`.")
+    workers: int = Field(4, ge=1, le=256, description="Reward worker processes (calls may be slow or do I/O).")
+    timeout_s: float = Field(10.0, gt=0, description="A reward call running longer scores 0 (counted as timeout).")
+    options: dict[str, dict[str, Any]] = Field(
+        {}, description="Settings per reward name, given to the reward as extras['options']."
+    )
 
 
 class SamplingConfig(ConfigSection):
@@ -75,6 +125,9 @@ class SamplingConfig(ConfigSection):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (RL: 1.0).")
     max_new_tokens: int = Field(256, ge=1, description="Longest response; a longer trajectory is rejected.")
     top_logprobs: int = Field(20, ge=1, le=20, description="Top-k logprobs per position (alpha needs 20).")
+    stop_token_ids: list[int] = Field(
+        [], description="Stop ids beside the model's eos ids (tokenizer and generation_config.json)."
+    )
 
 
 class GrpoSection(ConfigSection):
@@ -166,6 +219,17 @@ class DistillSection(ConfigSection):
     )
 
 
+class EvalConfig(ConfigSection):
+    """Evaluation during training on data.eval_files, through the generator fleet (services/trainer/evaluation.py)."""
+
+    every: int = Field(10, ge=0, description="Steps between evaluations (also before step 1, after the last); 0: off.")
+    k: int = Field(4, ge=1, le=1024, description="Samples per eval prompt: avg@k and pass@k (unbiased) per source.")
+    max_prompts: int = Field(0, ge=0, description="Eval prompts per round, the first of each source's rows; 0: all.")
+    timeout_s: float = Field(
+        900.0, gt=0, description="A round still incomplete after this long is reported with what came back."
+    )
+
+
 class TrainerServiceConfig(SparrowConfig):
     """The trainer service's whole config (TOML file, SPARROW_* environment, flags)."""
 
@@ -196,7 +260,10 @@ class TrainerServiceConfig(SparrowConfig):
     grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC server.")
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="The prompts.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="The built-in chain task.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation datasets.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Rewards.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation during training.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="Sampling of every group.")
     grpo: GrpoSection = Field(default_factory=GrpoSection, description="GRPO + TIS.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
@@ -217,6 +284,12 @@ class TrainerServiceConfig(SparrowConfig):
             ChainTask(self.task.pairs, self.task.max_hops, self.task.min_hops, self.task.name_pool)
         except TaskError as exc:
             raise ValueError(f"task: {exc}") from None
+        if self.data.ratios and len(self.data.ratios) != len(self.data.train_files):
+            raise ValueError(
+                f"data.ratios has {len(self.data.ratios)} entries for {len(self.data.train_files)} data.train_files"
+            )
+        if any(not r > 0 for r in self.data.ratios):
+            raise ValueError("data.ratios must all be above 0")
         if self.weights.default_chunk_bytes > self.weights.max_chunk_bytes:
             raise ValueError("weights.default_chunk_bytes is above weights.max_chunk_bytes")
         # A chunk travels in one message, with a little framing around its bytes.

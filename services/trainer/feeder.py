@@ -1,8 +1,9 @@
 """The feeder: keeps a bounded number of prompt groups on the Redis Stream the generators consume.
 
-Each group is a chain-task prompt (sparrow/tasks/chain.py) tokenized with the model's tokenizer,
-`n` samples at the configured sampling, tagged with the policy version current when it was made.
-It is written to the ledger (answer included; answers never travel) before XADD, so a crash in
+Each group is the next prompt of the run's dataset mix (services/trainer/training_data.py: a user's
+sources, or the built-in chain task, already templated and tokenized), `n` samples at the configured
+sampling, tagged with the policy version current when it was made and with the reward its
+data_source uses. It is written to the ledger (answer included; answers never travel) before XADD, so a crash in
 between re-enqueues it. The feeder also re-enqueues a group that has waited too long (a lost stream
 entry must not stall training), every waiting group at once when the stream itself is gone (Redis
 flushed or restarted empty), and reads the dead-letter stream, marking its own dead groups.
@@ -23,7 +24,7 @@ import redis
 from services.trainer.ledger import OUTSTANDING, GroupLedger, GroupRecord
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore
-from sparrow.tasks import ChainTask, ExampleStream
+from services.trainer.training_data import TrainingData
 from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM, PromptGroup, Sampling, WorkItemError
 
 log = logging.getLogger("sparrow.trainer.feeder")
@@ -36,12 +37,13 @@ class FeedSettings:
     """What the feeder makes and how many it keeps ahead."""
 
     run_id: str
-    task: ChainTask
+    data: TrainingData
     seed: int
     n: int
     sampling: Sampling
     outstanding: int
     requeue_after_s: float
+    shuffle: bool = True
 
 
 class Feeder:
@@ -52,7 +54,6 @@ class Feeder:
         client: redis.Redis,
         ledger: GroupLedger,
         store: TrajectoryStore,
-        tokenizer,
         settings: FeedSettings,
         policy_version: Callable[[], int],
         metrics: TrainerMetrics,
@@ -60,12 +61,11 @@ class Feeder:
         self.client = client
         self.ledger = ledger
         self.store = store
-        self.tokenizer = tokenizer
         self.settings = settings
         self.policy_version = policy_version
         self.metrics = metrics
-        self.stream = ExampleStream(settings.task, settings.seed, "train")
-        self.position = 0  # examples drawn from the stream so far
+        self.mix = settings.data.mix(settings.seed, settings.shuffle)
+        self.position = 0  # prompts drawn from the mix so far
         self._queued_at: dict[str, float] = {}
         self._dead_cursor = "0-0"
         self._last_added: bytes | str | None = None  # the entry this process added last to the prompt stream
@@ -76,19 +76,21 @@ class Feeder:
     # -- data position ----------------------------------------------------------------------------
 
     def state(self) -> dict:
-        """The data position, for the checkpoint: examples drawn and the stream's RNG state."""
-        version, internal, gauss = self.stream.rng.getstate()
-        return {"position": self.position, "rng": [version, list(internal), gauss]}
+        """The data position, for the checkpoint: prompts drawn and the mix's state."""
+        return {"position": self.position, "mix": self.mix.state()}
 
     def restore(self, state: dict | None) -> None:
         """Continue the prompt stream where the checkpoint left it, then past every group the ledger holds."""
-        if state:
-            version, internal, gauss = state["rng"]
-            self.stream.rng.setstate((version, tuple(internal), gauss))
-            self.position = int(state["position"])
-        # Groups enqueued after the checkpoint are in the ledger: skip the examples they used.
+        if state and "mix" in state:
+            try:
+                self.mix.restore(state["mix"])
+                self.position = int(state["position"])
+            except (ValueError, KeyError, TypeError) as exc:
+                # Another dataset than the checkpoint's: its position means nothing here; start the mix over.
+                log.warning("the checkpoint's data position does not fit this dataset (%s); drawing afresh", exc)
+        # Groups enqueued after the checkpoint are in the ledger: skip the prompts they used.
         while self.position < self.ledger.next_index:
-            self.stream.next()
+            self.mix.next()
             self.position += 1
         # Compaction may have emptied the ledger; indices (and so group ids) never repeat.
         self.ledger.next_index = max(self.ledger.next_index, self.position)
@@ -130,23 +132,35 @@ class Feeder:
         self.metrics.outstanding.set(len(self.ledger.outstanding()))
 
     def _new_group(self) -> GroupRecord:
-        index = self.position  # group index = the example's place in the prompt stream
-        example = self.stream.next()
+        index = self.position  # group index = the prompt's place in the stream
+        _, prompt = self.mix.next()
         self.position += 1
-        ids = self.tokenizer(example.prompt)["input_ids"]
+        sample = prompt.sample
         record = GroupRecord(
             index=index,
             group_id=f"{self.settings.run_id}-{index:08d}",
-            prompt_token_ids=tuple(int(i) for i in ids),
+            prompt_token_ids=prompt.token_ids,
             n=self.settings.n,
-            answer=example.answer,
+            answer=sample.ground_truth,
             policy_version=self.policy_version(),
             max_new_tokens=self.settings.sampling.max_new_tokens,
-            prompt_text=example.prompt,
+            prompt_text=prompt.text,
             created_at=time.time(),
+            data_source=sample.data_source,
+            reward=self.settings.data.rewards[sample.data_source],
+            extras=sample.extras,
         )
         self.ledger.add(record)
         return record
+
+    def add(self, record: GroupRecord) -> None:
+        """Record a group made elsewhere (an evaluation's) and put it on the stream; a Redis error leaves it
+        unqueued in the ledger, and the next tick enqueues it."""
+        self.ledger.add(record)
+        try:
+            self._enqueue(record)
+        except (redis.RedisError, OSError) as exc:
+            log.warning("feeder: cannot enqueue %s now (%s); the next tick retries", record.group_id, exc)
 
     def _enqueue(self, record: GroupRecord, attempt: int = 0) -> None:
         group = PromptGroup(

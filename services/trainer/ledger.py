@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from services.trainer.store import fsync_dir
@@ -27,7 +27,9 @@ log = logging.getLogger("sparrow.trainer.ledger")
 
 LEDGER_NAME = "groups.log"
 OUTSTANDING, TAKEN, TRAINED, DROPPED, DEAD = "outstanding", "taken", "trained", "dropped", "dead"
-FINISHED = (TRAINED, DROPPED)
+EVALUATED = "evaluated"  # an evaluation group whose samples were scored (never trained)
+FINISHED = (TRAINED, DROPPED, EVALUATED)
+TRAIN, EVAL = "train", "eval"
 
 
 class LedgerError(RuntimeError):
@@ -42,11 +44,15 @@ class GroupRecord:
     group_id: str
     prompt_token_ids: tuple[int, ...]
     n: int
-    answer: str
+    answer: str | None  # the ground truth (None: the row had none)
     policy_version: int
     max_new_tokens: int
     prompt_text: str = ""
     created_at: float = 0.0
+    data_source: str = "chain"  # ledgers written before datasets held chain groups only
+    reward: str = "chain"
+    extras: dict = field(default_factory=dict)  # the row's extra_info, for the reward
+    purpose: str = TRAIN  # or EVAL: a held-out prompt of an evaluation round, scored and never trained
 
 
 class GroupLedger:
@@ -100,7 +106,8 @@ class GroupLedger:
             rec = GroupRecord(**{**entry["group"], "prompt_token_ids": tuple(entry["group"]["prompt_token_ids"])})
             self._records[rec.group_id] = rec
             self._state.setdefault(rec.group_id, OUTSTANDING)
-            self.next_index = max(self.next_index, rec.index + 1)
+            if rec.purpose == TRAIN:  # eval groups are no place in the training prompt stream
+                self.next_index = max(self.next_index, rec.index + 1)
         elif kind == "queued":
             self._queued.add(gid)
         elif kind == "dead":
@@ -112,7 +119,7 @@ class GroupLedger:
 
     def _append(self, entry: dict) -> None:
         try:
-            self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
+            self._file.write(json.dumps(entry, separators=(",", ":"), default=str) + "\n")
             self._file.flush()
             os.fsync(self._file.fileno())
         except OSError as exc:
@@ -126,7 +133,8 @@ class GroupLedger:
             self._append({"kind": "enqueued", "group": asdict(record)})
             self._records[record.group_id] = record
             self._state[record.group_id] = OUTSTANDING
-            self.next_index = max(self.next_index, record.index + 1)
+            if record.purpose == TRAIN:
+                self.next_index = max(self.next_index, record.index + 1)
 
     def mark_queued(self, group_id: str) -> None:
         """The group is on the stream."""
@@ -158,15 +166,22 @@ class GroupLedger:
         with self._lock:
             return self._dead_reason.get(group_id, "")
 
+    def evaluated_ids(self) -> set[str]:
+        """Evaluation groups already scored and reported."""
+        with self._lock:
+            return {gid for gid, s in self._state.items() if s == EVALUATED}
+
     def dead_ids(self) -> set[str]:
         """Groups dead-lettered."""
         with self._lock:
             return {gid for gid, s in self._state.items() if s == DEAD}
 
-    def outstanding(self) -> list[GroupRecord]:
-        """Groups enqueued and not yet taken by a step, oldest first."""
+    def outstanding(self, purpose: str = TRAIN) -> list[GroupRecord]:
+        """Groups of `purpose` enqueued and not yet taken by a step (or evaluated), oldest first."""
         with self._lock:
-            recs = [r for gid, r in self._records.items() if self._state.get(gid) == OUTSTANDING]
+            recs = [
+                r for gid, r in self._records.items() if self._state.get(gid) == OUTSTANDING and r.purpose == purpose
+            ]
         return sorted(recs, key=lambda r: r.index)
 
     def unqueued(self) -> list[GroupRecord]:
@@ -213,7 +228,8 @@ class GroupLedger:
             tmp = self.path.with_suffix(".compact")
             with tmp.open("w", encoding="utf-8") as f:
                 for r in kept:
-                    f.write(json.dumps({"kind": "enqueued", "group": asdict(r)}, separators=(",", ":")) + "\n")
+                    entry = {"kind": "enqueued", "group": asdict(r)}
+                    f.write(json.dumps(entry, separators=(",", ":"), default=str) + "\n")
                     if r.group_id in self._queued:
                         f.write(json.dumps({"kind": "queued", "group_id": r.group_id}) + "\n")
                     if self._state.get(r.group_id) == DEAD:

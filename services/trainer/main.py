@@ -21,13 +21,14 @@ def serve(config: TrainerServiceConfig) -> int:
     from services.trainer.ledger import LedgerError
     from services.trainer.service import RunDirError, TrainerService
     from services.trainer.store import StoreError
+    from services.trainer.training_data import DataInputError
     from trainer.model_io import ModelLoadError
 
     log.info("config %s", config.dump())
     stop = threading.Event()
     try:
         service = TrainerService(config)
-    except (ModelLoadError, StoreError, LedgerError, CheckpointError, RunDirError) as exc:
+    except (ModelLoadError, StoreError, LedgerError, CheckpointError, RunDirError, DataInputError) as exc:
         raise SetupError(str(exc)) from None
     except OSError as exc:  # the run dir is not a folder, not writable, on a full disk ...
         where = f"{exc.filename}: " if exc.filename else ""

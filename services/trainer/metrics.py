@@ -13,6 +13,7 @@ from services.trainer.tail_metrics import TailMetrics
 from sparrow import metrics_contract as mc
 
 ACK_STATUSES = ("accepted", "duplicate", "rejected")
+REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed")
 # Step time spans seconds (tiny CPU models) to many minutes (long-context GPU steps).
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 
@@ -69,6 +70,26 @@ class TrainerMetrics:
             "Prompt groups enqueued and not yet taken by a step.",
             registry=r,
         )
+        self.reward_errors = Counter(
+            "sparrow_trainer_reward_errors",
+            "Reward calls that scored 0 because the reward timed out, raised, or returned no finite score.",
+            ["reason"],
+            registry=r,
+        )
+        self.eval_avg = Gauge(
+            "sparrow_trainer_eval_avg_reward",
+            "Mean reward over the k samples of every eval prompt (avg@k), last evaluation, per source.",
+            ["source"],
+            registry=r,
+        )
+        self.eval_pass = Gauge(
+            "sparrow_trainer_eval_pass_ratio",
+            "Unbiased pass@k (Chen et al.) of the last evaluation, per source and k.",
+            ["source", "k"],
+            registry=r,
+        )
+        for reason in REWARD_ERROR_REASONS:
+            self.reward_errors.labels(reason=reason)
         for status in ACK_STATUSES:
             self.trajectories.labels(status=status)
 

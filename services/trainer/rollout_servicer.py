@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from services.api.sparrow.v1 import rollout_pb2, rollout_pb2_grpc
-from services.trainer.ledger import DEAD, FINISHED, TAKEN, GroupLedger
+from services.trainer.ledger import DEAD, FINISHED, TAKEN, GroupLedger, GroupRecord
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import ACCEPTED, StoreError, TrajectoryStore
 from services.trainer.validate import MAX_ID_CHARS, Limits, check_against_group, check_structure
@@ -43,7 +44,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         weights: WeightServicer,
         limits: Limits,
         metrics: TrainerMetrics,
+        on_stored: Callable[[rollout_pb2.Trajectory, GroupRecord], None] | None = None,
     ) -> None:
+        self.on_stored = on_stored  # scores the trajectory's reward as it arrives
         self.store = store
         self.ledger = ledger
         self.weights = weights
@@ -109,6 +112,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if reason is not None:
             return "rejected", reason
         if self.store.add(t) == ACCEPTED:
+            if self.on_stored is not None:
+                self.on_stored(t, group)
             return "accepted", ""
         note = "being trained now" if state == TAKEN else "already stored"
         return "duplicate", f"sample {t.sample_index} of group {t.group_id} is {note}"

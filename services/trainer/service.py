@@ -15,7 +15,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +29,10 @@ from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.validate import Limits
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+
+if TYPE_CHECKING:
+    from services.api.sparrow.v1 import rollout_pb2
+    from services.trainer.ledger import GroupRecord
 
 log = logging.getLogger("sparrow.trainer")
 
@@ -44,8 +50,10 @@ class TrainerService:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         from services.trainer.feeder import Feeder, FeedSettings
+        from services.trainer.reward_pool import RewardPool
+        from services.trainer.rewarding import RewardScorer
         from services.trainer.step import StepRunner
-        from sparrow.tasks import ChainTask
+        from services.trainer.training_data import build_training_data
         from sparrow.work import Sampling
         from trainer.grpo import GRPOConfig
         from trainer.model_io import load_model, load_tokenizer
@@ -59,6 +67,7 @@ class TrainerService:
         self.compute_dtype = getattr(torch, config.dtype)
         self.model = load_model(config.model_dir, config.device)
         self.tokenizer = load_tokenizer(config.model_dir)
+        self.data = build_training_data(config, self.tokenizer)
         o = config.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
@@ -78,24 +87,34 @@ class TrainerService:
             self.distill.publish_start(self.weights, self.state.policy_version, self.state.step)
         self.store = TrajectoryStore(self.run_dir)
         self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
+        r = config.reward
+        self.reward_pool = RewardPool(r.workers, r.timeout_s, self.metrics.reward_errors)
+        self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options)
+        self.sampling = Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs, self.data.stop_ids)
         self.feeder = Feeder(
             self._redis(),
             self.ledger,
             self.store,
-            self.tokenizer,
             FeedSettings(
                 run_id=self.state.run_id,
-                task=ChainTask(config.task.pairs, config.task.max_hops, config.task.min_hops, config.task.name_pool),
-                seed=config.task.seed,
+                data=self.data,
+                seed=config.data.seed,
                 n=s.n,
-                sampling=Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs),
+                sampling=self.sampling,
                 outstanding=config.outstanding_groups,
                 requeue_after_s=config.requeue_after_s,
+                shuffle=config.data.shuffle,
             ),
             lambda: self.state.policy_version,
             self.metrics,
         )
         self.feeder.restore(self.state.feeder)
+        from services.trainer.evaluation import Evaluator
+
+        self.evaluator = Evaluator(
+            config.eval, self.data, self.state.run_id, self.feeder, self.ledger, self.store, self.rewards,
+            self.metrics, self.run_dir, self.sampling,
+        )  # fmt: skip
         update = UpdateConfig(
             grpo=grpo,
             temperature=s.temperature,
@@ -108,7 +127,7 @@ class TrainerService:
         self.runner = StepRunner(
             self.model,
             self.optimizer,
-            self.tokenizer,
+            self.rewards,
             self.store,
             self.ledger,
             self.metrics,
@@ -116,6 +135,7 @@ class TrainerService:
             config.groups_per_step,
             config.max_staleness,
             self.distill,
+            self.data.stop_ids,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._http = None
@@ -184,7 +204,9 @@ class TrainerService:
         """gRPC (RolloutService, WeightService, health, reflection) and /metrics."""
         c = self.config
         limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
-        self._server = build_grpc_server(c, self.store, self.ledger, self.weights, limits, self.metrics)
+        self._server = build_grpc_server(
+            c, self.store, self.ledger, self.weights, limits, self.metrics, self.rewards.on_trajectory
+        )
         self.grpc_port = self._server.bind(c.grpc.address)
         self._server.start()
         self._http, self.metrics_port = self.metrics.serve(c.metrics.host, c.metrics.port)
@@ -197,14 +219,23 @@ class TrainerService:
         """Serve and train until `config.steps` are done or `stop` is set; checkpoint and stop cleanly."""
         self.start_servers()
         try:
+            if self.state.step == 0 and self.evaluator.due(0, self.config.steps):
+                self.feeder.tick()  # the consumer group exists before the first round goes on the stream
+                self.evaluator.start(0, self.state.policy_version)
             while not stop.is_set() and not self._done():
                 self.feeder.tick()
+                self.evaluator.poll()
                 batch, stale = self.runner.collect(self.state.policy_version)
                 self.state.dropped += stale
                 if batch is None:
                     self.store.wait(self.config.poll_s)
                     continue
                 self.train(batch)
+            # The last rounds report before the trainer stops (each bounded by eval.timeout_s).
+            while self.evaluator.pending and not stop.is_set():
+                self.feeder.tick()
+                self.evaluator.poll()
+                self.store.wait(self.config.poll_s)
         except BaseException:
             # The model may be part-way through an update: the last checkpoint is the state to resume.
             self._checkpoint_on_stop = False
@@ -234,6 +265,8 @@ class TrainerService:
             self.distill.publish(self.weights, self.state.policy_version, self.state.step)
         if self.state.step % self.config.checkpoint.every == 0:
             self.checkpoint()
+        if self.evaluator.due(self.state.step, self.config.steps):
+            self.evaluator.start(self.state.step, self.state.policy_version)
         report.seconds = time.monotonic() - start
         self.metrics.step_seconds.observe(report.seconds)
         self.metrics.steps.inc()
@@ -258,8 +291,11 @@ class TrainerService:
         done = oldest.finished if oldest is not None else {}
         dead = self.ledger.dead_ids()
 
+        evaluated = self.ledger.evaluated_ids()
+
         def keep(gid: str) -> bool:
-            return gid not in done and gid not in dead
+            # Evaluation groups are scored and reported once; no checkpoint needs them back.
+            return gid not in done and gid not in dead and gid not in evaluated
 
         dropped = self.store.compact(keep)
         self.ledger.compact(keep)
@@ -278,6 +314,7 @@ class TrainerService:
             if self._http is not None:
                 self._http.shutdown()
                 self._http.server_close()
+            self.reward_pool.close()
             self.store.close()
             self.ledger.close()
             self.feeder.client.close()
@@ -291,6 +328,7 @@ def build_grpc_server(
     weights: WeightStore,
     limits: Limits,
     metrics: TrainerMetrics,
+    on_stored: Callable[[rollout_pb2.Trajectory, GroupRecord], None] | None = None,
 ) -> AioServer:
     """The trainer's gRPC server (RolloutService, WeightService, health, reflection), not yet bound or started.
 
@@ -303,7 +341,7 @@ def build_grpc_server(
 
     c, w = config.grpc, config.weights
     weight_servicer = WeightServicer(weights, w.default_chunk_bytes, w.max_chunk_bytes)
-    rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics)
+    rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics, on_stored)
     server = AioServer(
         config.security.grpc(),
         max_calls=c.max_calls,

@@ -2,7 +2,8 @@
 
 A group is ready when all its `n` samples are stored. One whose oldest sample's policy version
 lags the current policy by more than `max_staleness` versions is dropped (counted, never trained).
-The rest, oldest first, make the batch: rewards from the decoded responses against the answers the
+The rest, oldest first, make the batch: rewards (each group's own, by its data_source, computed in
+the reward pool as the trajectories arrived; services/trainer/rewarding.py) against the answers the
 ledger kept, dense teacher-forced logprobs and top-k (the trainer's own model, dense attention, no
 adapter), alpha per token against the generators' top-k, the tail metrics per KV-length bin, and
 one GRPO + TIS update (trainer/rl_update.py, written for FSDP2 as well).
@@ -21,10 +22,10 @@ import torch
 from services.api.sparrow.v1 import rollout_pb2
 from services.trainer.ledger import DROPPED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
+from services.trainer.rewarding import RewardScorer
 from services.trainer.store import TrajectoryStore
 from sparrow import metrics_contract as mc
 from sparrow.acceptance import binned_stats
-from sparrow.rewards import chain_reward
 from trainer.batch import Rollout
 from trainer.grpo import group_advantages
 from trainer.rl_update import UpdateConfig, learn
@@ -60,6 +61,11 @@ class StepReport:
     schedule_version: int = 0
     seconds: float = 0.0  # the whole step: scoring, update, publishing and any checkpoint
     distill: dict = field(default_factory=dict)  # the adapter's figures (services/trainer/distill_step.py)
+    reward_by_source: dict = field(default_factory=dict)  # data_source -> mean reward of its samples
+    reward_errors: int = 0  # samples scored 0 because their reward timed out, raised or returned no finite score
+    finished_stop: int = 0  # samples that ended at a stop id (an eos of the model or the config)
+    finished_length: int = 0  # samples that ran to max_new_tokens
+    finished_other: int = 0  # neither: a generator that stopped elsewhere (never expected)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -96,7 +102,7 @@ class StepRunner:
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        tokenizer,
+        rewards: RewardScorer,
         store: TrajectoryStore,
         ledger: GroupLedger,
         metrics: TrainerMetrics,
@@ -104,12 +110,14 @@ class StepRunner:
         groups_per_step: int,
         max_staleness: int,
         distill: DistillStep | None = None,
+        stop_ids: tuple[int, ...] = (),
     ) -> None:
+        self.stop_ids = frozenset(stop_ids)  # where a sample may end before max_new_tokens
         self.model = model
         self.optimizer = optimizer
         # The policy itself, dense attention: the "old" logprobs of this step.
         self.scorer = Scorer(model, chunk=update.lm_head_chunk, dtype=update.dtype)
-        self.tokenizer = tokenizer
+        self.rewards = rewards
         self.store = store
         self.ledger = ledger
         self.metrics = metrics
@@ -133,6 +141,7 @@ class StepRunner:
                 ready.append(record.group_id)
         if stale:
             self.ledger.finish(stale, DROPPED)
+            self.rewards.forget(stale)
             self.metrics.dropped_stale.inc(len(stale))
             log.warning("dropped %d stale group(s) (lag > %d versions)", len(stale), self.max_staleness)
         return (ready if len(ready) == self.groups_per_step else None), stale
@@ -141,13 +150,23 @@ class StepRunner:
         """Train on the groups (taken from the ledger by the caller); export and return the step's figures."""
         start = time.monotonic()
         rollouts, rewards, advantages = [], [], []
+        by_source: dict[str, list[float]] = {}
+        errors = 0
+        ends = {"stop": 0, "length": 0, "other": 0}
         for gid in group_ids:
             record = self.ledger.get(gid)
             samples = self.store.samples(gid)
-            group_rewards = [
-                chain_reward(self.tokenizer.decode(list(t.token_ids), skip_special_tokens=True), record.answer)
-                for t in samples
-            ]
+            results = self.rewards.group_scores(record, samples)
+            group_rewards = [r.score for r in results]
+            errors += sum(r.error is not None for r in results)
+            by_source.setdefault(record.data_source, []).extend(group_rewards)
+            for t in samples:
+                if t.token_ids and t.token_ids[-1] in self.stop_ids:
+                    ends["stop"] += 1
+                elif len(t.token_ids) >= record.max_new_tokens:
+                    ends["length"] += 1
+                else:
+                    ends["other"] += 1
             rollouts += [to_rollout(t) for t in samples]
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
@@ -194,6 +213,11 @@ class StepRunner:
             schedule_version=schedule_version,
             seconds=time.monotonic() - start,
             distill=distilled,
+            reward_by_source={src: sum(v) / len(v) for src, v in sorted(by_source.items())},
+            reward_errors=errors,
+            finished_stop=ends["stop"],
+            finished_length=ends["length"],
+            finished_other=ends["other"],
         )
         self._export(report)
         return report

@@ -35,8 +35,20 @@ log = logging.getLogger("sparrow.trainer.weights")
 POLICY, ADAPTER = "policy", "adapters"
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 _HASH_BLOCK = 1 << 20
-# Files a generator needs beside the weights to load the policy the way the trainer does.
-MODEL_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+# Files a generator needs beside the weights to load the policy the way the trainer does: every tokenizer
+# and chat-template file a hub checkpoint may carry (transformers 5 keeps the template in chat_template.jinja).
+MODEL_SIDE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,8 @@ def test_every_group_on_the_stream_is_trained_dropped_waiting_or_dead_and_none_t
         for gid in ("g1", "g2", "g2", "g3", "g4", "g5"):  # g2 was enqueued again (a lost entry)
             client.xadd(PROMPTS_STREAM, PromptGroup(gid, (1, 2, 3), 2, 1).to_fields())
         client.xadd(DEAD_LETTER_STREAM, {"group_id": "g5", "reason": "poison"})
+        # An evaluation round's group: scored, never trained, compacted out of the ledger; neither lost nor waiting.
+        client.xadd(PROMPTS_STREAM, PromptGroup("eval0000-test-000000", (1, 2), 4, 1).to_fields())
         trainer = _trainer_dir(tmp_path, [["g1"], ["g2"]], ["g3"], ["g3", "g4", "g5"], dead=["g5"])
         work = account(client, trainer)
         assert work == {
@@ -41,6 +43,7 @@ def test_every_group_on_the_stream_is_trained_dropped_waiting_or_dead_and_none_t
             "lost": [],
             "trained_twice": [],
             "trained_and_dropped": [],
+            "eval_groups": 1,
         }
 
         # A group the trainer has no trace of is lost; one in two steps is trained twice.

@@ -6,10 +6,12 @@ import time
 
 import redis
 
+from services.trainer.config import TrainerServiceConfig
 from services.trainer.feeder import Feeder, FeedSettings
 from services.trainer.ledger import DEAD, GroupLedger
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore
+from services.trainer.training_data import build_training_data
 from sparrow.rewards import chain_reward
 from sparrow.tasks import ChainTask, ExampleStream
 from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM, PromptGroup, Sampling
@@ -21,12 +23,19 @@ TASK = ChainTask(4, 2)
 SAMPLING = Sampling(temperature=1.0, top_p=1.0, max_new_tokens=16, top_logprobs=20)
 
 
+def _data():
+    # The chain rows in stream order (no shuffle), so the groups follow ExampleStream(TASK, 7, "train").
+    config = TrainerServiceConfig(model_dir=str(TINY), task={"pairs": 4, "min_hops": 1, "max_hops": 2, "seed": 7,
+                                                              "count": 64})  # fmt: skip
+    return build_training_data(config, load_tokenizer(TINY))
+
+
 def _feeder(url, run_dir, outstanding=3, version=1, metrics=None, requeue_after_s=900.0, finished=None):
     ledger = GroupLedger(run_dir, finished)
-    settings = FeedSettings("run1", TASK, seed=7, n=4, sampling=SAMPLING, outstanding=outstanding,
-                            requeue_after_s=requeue_after_s)  # fmt: skip
+    settings = FeedSettings("run1", _data(), seed=7, n=4, sampling=SAMPLING, outstanding=outstanding,
+                            requeue_after_s=requeue_after_s, shuffle=False)  # fmt: skip
     store = TrajectoryStore(run_dir)
-    feeder = Feeder(redis.Redis.from_url(url), ledger, store, load_tokenizer(TINY), settings, lambda: version,
+    feeder = Feeder(redis.Redis.from_url(url), ledger, store, settings, lambda: version,
                     metrics or TrainerMetrics(2000, 20))  # fmt: skip
     return feeder, ledger
 
@@ -51,6 +60,7 @@ def test_groups_on_the_stream_parse_and_answers_stay_with_the_trainer(tmp_path):
             assert tok.decode(list(group.prompt_token_ids), skip_special_tokens=True) == example.prompt
             assert group.prompt_token_ids[0] == tok.bos_token_id
             record = ledger.get(group.group_id)
+            assert (record.data_source, record.reward) == ("chain", "chain")
             assert record.answer == example.answer and record.prompt_token_ids == group.prompt_token_ids
             assert chain_reward(f"1 a b ; \\boxed{{ {example.answer} }}", record.answer) == 1.0
         assert len({g.group_id for _, g in entries}) == 3 and all(g.group_id.startswith("run1-") for _, g in entries)

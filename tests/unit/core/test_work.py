@@ -69,6 +69,8 @@ def _bad(**kw):
         (_bad(sampling={"top_p": 1.5}), "top_p"),
         (_bad(sampling={"max_new_tokens": 0}), "max_new_tokens"),
         (_bad(sampling={"top_logprobs": 21}), "top_logprobs"),
+        (_bad(sampling={"stop_token_ids": [1, -2]}), "stop_token_ids"),
+        (_bad(sampling={"stop_token_ids": 5}), "stop_token_ids"),
     ],
 )
 def test_bad_groups_are_refused_naming_the_field(text, message):
@@ -80,3 +82,8 @@ def test_bad_groups_are_refused_naming_the_field(text, message):
 def test_an_entry_without_the_group_field_is_refused():
     with pytest.raises(WorkItemError, match="no 'group' field"):
         PromptGroup.from_fields({b"other": b"{}"})
+
+
+def test_stop_token_ids_round_trip():
+    group = PromptGroup("g", (1, 2), 2, 0, Sampling(stop_token_ids=(151645, 151643)))
+    assert PromptGroup.from_json(group.to_json()).sampling.stop_token_ids == (151645, 151643)

@@ -26,6 +26,9 @@ TRAINER_METRICS = (
     "sparrow_trainer_groups_dead_total",
     "sparrow_trainer_last_step_timestamp_seconds",
     "sparrow_trainer_queue_outstanding_groups",
+    "sparrow_trainer_reward_errors_total",
+    "sparrow_trainer_eval_avg_reward",
+    "sparrow_trainer_eval_pass_ratio",
 )
 GENERATOR_METRICS = (
     "sparrow_generator_tokens_total",

@@ -225,3 +225,17 @@ def test_a_probe_for_another_schedule_version_or_expired_runs_no_probe_samples(e
         assert not any(s.probe for s in engine.step())
     engine.set_probe(None)
     engine.set_schedule(None)
+
+
+def test_generation_stops_at_every_eos_id_of_generation_config_and_the_groups(tmp_path):
+    from services.generator.reference_engine import ReferenceEngine
+    from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
+
+    folder = build_qwen3_checkpoint(tmp_path / "qwen3")
+    engine = ReferenceEngine(folder, kernel_backend="torch", max_model_len=256, max_lora_rank=8)
+    assert engine.eos_ids == [2, 0]  # config.json has <|im_end|> alone; generation_config.json adds <|endoftext|>
+    # Every id a stop id: each sample ends at its first token, as "stop".
+    vocab = tuple(range(engine.vocab_size))
+    engine.submit(PromptGroup("g", (1, 5, 6), 3, 0, Sampling(max_new_tokens=20, stop_token_ids=vocab)))
+    samples = engine.step()
+    assert [(len(s.token_ids), s.finish_reason) for s in samples] == [(1, FINISH_STOP)] * 3

@@ -1,0 +1,194 @@
+"""Rewards computed in worker processes as trajectories arrive, each call under a timeout.
+
+A reward is user code (or math-verify, or a sandboxed code run): it may be slow, raise, hang or
+return nonsense. Each worker process runs one call at a time in its main thread; a slot thread
+per worker hands it the next task and waits at most `timeout_s`. A call that raises, returns no
+finite score, or outlives its timeout (the worker is killed and a fresh one started) scores 0,
+counted by reason (`sparrow_trainer_reward_errors_total{reason}`) and logged once per (reward,
+reason). Nothing a reward does stalls or kills the step: every future resolves within the timeout
+(plus a worker's start, when one had to be replaced).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.trainer.metrics import REWARD_ERROR_REASONS as REASONS
+from sparrow.reward_registry import coerce_score, resolve_reward
+
+log = logging.getLogger("sparrow.trainer.rewards")
+
+START_TIMEOUT_S = 60.0  # a worker imports the reward's modules (math-verify loads sympy) before its first call
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A score (0 on any error), the reward's extra number fields, and the error reason if one happened."""
+
+    score: float
+    info: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Task:
+    reward: str
+    response: str
+    ground_truth: str | None
+    extras: dict[str, Any]
+    future: Future
+
+
+def _worker_main(conn) -> None:
+    """A worker process. ("load", reward) imports a reward, answered with an error text or None;
+    ("call", reward, response, ground truth, extras) is answered with (score, info, reason, detail)."""
+    functions: dict[str, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        if message[0] == "load":
+            try:
+                functions[message[1]] = resolve_reward(message[1])
+                answer: Any = None
+            except Exception as exc:
+                answer = str(exc)
+        else:
+            answer = _call(functions, *message[1:])
+        try:
+            conn.send(answer)
+        except (OSError, ValueError):
+            return
+
+
+def _call(functions: dict, reward: str, response: str, ground_truth: str | None, extras: dict) -> tuple:
+    try:
+        value = functions[reward](response, ground_truth, extras)
+    except BaseException as exc:  # a reward's own bug; SystemExit and KeyboardInterrupt too
+        last = traceback.extract_tb(exc.__traceback__)[-1:]
+        where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
+        return 0.0, {}, "raised", f"{type(exc).__name__}: {exc}{where}"
+    score, info, reason = coerce_score(value)
+    return score, info, reason, "" if reason is None else f"returned {_short(value)}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Slot:
+    """One worker process and the thread that feeds it."""
+
+    def __init__(self, pool: RewardPool, index: int) -> None:
+        self.pool = pool
+        self.index = index
+        self.process = None
+        self.conn = None
+        self.loaded: set[str] = set()  # rewards the current worker process has imported
+        self.thread = threading.Thread(target=self._loop, name=f"reward-{index}", daemon=True)
+
+    def _start(self) -> None:
+        parent, child = self.pool.context.Pipe()
+        self.process = self.pool.context.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+        self.conn = parent
+
+    def _kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.join(5)
+        if self.conn is not None:
+            self.conn.close()
+        self.process = self.conn = None
+        self.loaded: set[str] = set()
+
+    def _loop(self) -> None:
+        while True:
+            task = self.pool.tasks.get()
+            if task is None:
+                self._kill()
+                return
+            task.future.set_result(self._call(task))
+
+    def _call(self, task: _Task) -> RewardResult:
+        try:
+            if self.process is None or not self.process.is_alive():
+                self._kill()
+                self._start()
+            if task.reward not in self.loaded:
+                # Importing the reward (math-verify loads sympy) is not the call's time.
+                self.conn.send(("load", task.reward))
+                if not self.conn.poll(START_TIMEOUT_S):
+                    self._kill()
+                    return self.pool.failed(task.reward, "timeout", f"not imported within {START_TIMEOUT_S:g} s")
+                error = self.conn.recv()
+                if error is not None:
+                    return self.pool.failed(task.reward, "raised", error)
+                self.loaded.add(task.reward)
+            self.conn.send(("call", task.reward, task.response, task.ground_truth, task.extras))
+            if not self.conn.poll(self.pool.timeout_s):
+                self._kill()
+                return self.pool.failed(task.reward, "timeout", f"no score within {self.pool.timeout_s:g} s")
+            score, info, reason, detail = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            self._kill()
+            return self.pool.failed(task.reward, "crashed", f"the worker process died ({type(exc).__name__})")
+        except Exception as exc:  # the answer did not unpickle, or the task did not pickle
+            self._kill()
+            return self.pool.failed(task.reward, "bad_value", f"{type(exc).__name__}: {exc}")
+        if reason is not None:
+            return self.pool.failed(task.reward, reason, detail)
+        return RewardResult(score, info)
+
+
+class RewardPool:
+    """`workers` reward processes; `submit` returns a Future that always resolves to a RewardResult."""
+
+    def __init__(self, workers: int, timeout_s: float, errors_counter=None) -> None:
+        self.timeout_s = timeout_s
+        self.context = mp.get_context("spawn")  # the trainer holds torch threads and gRPC: never fork it
+        self.tasks: queue.Queue[_Task | None] = queue.Queue()
+        self.errors = errors_counter
+        self._logged: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self.error_counts: dict[str, int] = dict.fromkeys(REASONS, 0)
+        self.slots = [_Slot(self, i) for i in range(workers)]
+        for slot in self.slots:
+            slot.thread.start()
+
+    def submit(self, reward: str, response: str, ground_truth: str | None, extras: dict[str, Any]) -> Future:
+        """Queue one reward call; its Future resolves to a RewardResult (score 0 on any failure)."""
+        future: Future = Future()
+        self.tasks.put(_Task(reward, response, ground_truth, extras, future))
+        return future
+
+    def failed(self, reward: str, reason: str, detail: str) -> RewardResult:
+        """Count and (once per reward and reason) log a failed call; its score is 0."""
+        with self._lock:
+            self.error_counts[reason] = self.error_counts.get(reason, 0) + 1
+            first = (reward, reason) not in self._logged
+            self._logged.add((reward, reason))
+        if self.errors is not None:
+            self.errors.labels(reason=reason).inc()
+        if first:
+            log.warning("reward %s: %s (%s); scored 0, counted, logged once", reward, reason, detail)
+        return RewardResult(0.0, {}, reason)
+
+    def close(self) -> None:
+        """Stop every worker (tasks still queued resolve first)."""
+        for _ in self.slots:
+            self.tasks.put(None)
+        for slot in self.slots:
+            slot.thread.join(self.timeout_s + 10)

@@ -1,0 +1,105 @@
+"""The user's job end to end: an HF-format Qwen3 checkpoint laid out as on the hub (tests/fixtures), a math
+dataset in verl's Parquet shape, `sparrow up --model DIR --data train.parquet --eval-data test.parquet
+--reward math --steps 2` on vLLM, then `sparrow export`.
+
+The checkpoint's weights are random (no hub here): what is checked is the plumbing the issue lists, the
+chat-templated prompts token for token, stops at the eos ids or the length limit, the math reward on
+every group, evaluation before step 1 and after step 2, and an export that transformers loads in bf16.
+"""
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from services.launcher.history import read_history
+from tests.cli_runner import sparrow
+from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
+from tests.integration.launcher.helpers import UpProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _math_rows(count, split):
+    return [
+        {
+            "data_source": "toy/arith",
+            "prompt": [{"role": "user", "content": f"What is {i} + {i + 1}? Put the answer in \\boxed{{}}."}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i in range(count)
+    ]
+
+
+def test_user_model_data_reward_eval_and_export(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = build_qwen3_checkpoint(tmp_path / "Qwen3-test")
+    train, test = tmp_path / "train.parquet", tmp_path / "test.parquet"
+    pq.write_table(pa.Table.from_pylist(_math_rows(8, "train")), train)
+    pq.write_table(pa.Table.from_pylist(_math_rows(3, "test")), test)
+    config = tmp_path / "up.toml"
+    config.write_text(
+        "[timeouts]\nstart_s = 400\nstep_s = 400\nstop_grace_s = 15\n"
+        "[trainer]\ngroups_per_step = 2\n"
+        "[trainer.data]\nchat_template_kwargs = { enable_thinking = false }\n"
+        "[trainer.sampling]\nn = 4\nmax_new_tokens = 16\n"
+        "[trainer.eval]\nevery = 2\nk = 2\n"
+        "[trainer.reward]\nworkers = 2\n"
+        # float32 as the trainer scores (the checkpoint is bf16; vLLM would serve it in bf16 on "auto")
+        '[generator.engine]\ndevice = "cpu"\nkernel_backend = "torch"\ndtype = "float32"\n'
+    )
+    run_dir = tmp_path / "run"
+    up = UpProcess(
+        "--config", str(config), "--model", str(model_dir), "--data", str(train), "--eval-data", str(test),
+        "--reward", "math", "--steps", "2", "--no-controller", "--run-dir", str(run_dir), "--json",
+    )  # fmt: skip
+    try:
+        code = up.wait(900)
+    finally:
+        up.kill()
+    assert code == 0, up.proc.stderr.read()[-3000:]
+    summary = up.lines[-1]
+    assert summary["outcome"] == "completed" and summary["steps_done"] == 2
+    assert summary["work"]["lost"] == []
+
+    # The prompts the generators got are the chat-templated ones, token for token.
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = {r["extra_info"]["index"]: r for r in _math_rows(8, "train")}
+    groups = [json.loads(line) for line in (run_dir / "trainer" / "groups.log").read_text().splitlines()]
+    train_groups = [g["group"] for g in groups if g.get("kind") == "enqueued" and g["group"]["purpose"] == "train"]
+    assert train_groups
+    for g in train_groups:
+        messages = rows[g["extras"]["index"]]["prompt"]
+        want = tok.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+        assert g["prompt_token_ids"] == tok(want, add_special_tokens=False)["input_ids"]
+        assert g["prompt_text"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+        assert (g["reward"], g["data_source"]) == ("math", "toy/arith")
+
+    # Every trajectory ended at one of the eos ids or at the length limit; the math reward scored every one.
+    steps = [json.loads(line) for line in (run_dir / "trainer" / "steps.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["finished_other"] == 0 and s["finished_stop"] + s["finished_length"] == s["samples"] == 8
+        assert s["reward_errors"] == 0 and set(s["reward_by_source"]) == {"toy/arith"}
+    assert [r["step"] for r in read_history(run_dir)] == [1, 2]
+
+    # Evaluation before step 1 and after step 2, in the trainer's history, the summary and the report.
+    evals = summary["evals"]
+    assert [e["step"] for e in evals] == [0, 2] and all(e["complete"] for e in evals)
+    for e in evals:
+        figures = e["sources"]["toy/arith"]
+        assert figures["prompts"] == 3 and {"avg@2", "pass@1", "pass@2"} <= set(figures)
+    report = (run_dir / "report" / "report.md").read_text()
+    assert "## Held-out evaluation" in report and (run_dir / "report" / "eval.png").is_file()
+
+    out = tmp_path / "exported"
+    result = sparrow("export", run_dir, "--out", out, timeout=300)
+    assert result.returncode == 0, result.stderr
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert str(model.dtype) == "torch.bfloat16"
+    assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]

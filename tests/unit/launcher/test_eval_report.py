@@ -1,0 +1,22 @@
+"""The report's evaluation section: a row per round and source, and its plot."""
+
+import json
+
+from services.launcher.eval_report import eval_section, read_evals
+
+
+def test_eval_rounds_in_the_report(tmp_path):
+    rounds = [
+        {"round": 0, "step": 0, "policy_version": 1, "sources": {"gsm8k": {"prompts": 3, "samples": 12,
+         "avg@4": 0.25, "pass@1": 0.25, "pass@2": 0.4, "pass@4": 0.5}}},
+        {"round": 1, "step": 2, "policy_version": 3, "sources": {"gsm8k": {"prompts": 3, "samples": 12,
+         "avg@4": 0.5, "pass@1": 0.5, "pass@2": 0.7, "pass@4": 0.75}}},
+    ]  # fmt: skip
+    trainer = tmp_path / "trainer"
+    trainer.mkdir()
+    (trainer / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds) + '{"torn')
+    assert read_evals(trainer) == rounds
+    lines = eval_section(rounds, tmp_path)
+    assert "| 1 | 2 | v3 | gsm8k | 3 | 0.500 (avg@4) | 0.500 | 0.750 (pass@4) |" in lines
+    assert (tmp_path / "eval.png").is_file()
+    assert eval_section([], tmp_path) == [] and read_evals(tmp_path) == []

@@ -1,0 +1,102 @@
+"""Rewards in worker processes: a hung, raising or NaN reward scores 0 and is counted; the rest score."""
+
+import math
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter
+
+from services.trainer.reward_pool import RewardPool
+from sparrow.reward_registry import RewardError, coerce_score, resolve_reward
+
+USER_REWARDS = """
+import math, time
+
+def good(response, ground_truth, extras):
+    return {"score": float(response == ground_truth), "length": len(response), "note": "kept out"}
+
+def sleeps(response, ground_truth, extras):
+    time.sleep(60)
+    return 1.0
+
+def raises(response, ground_truth, extras):
+    raise RuntimeError("the grader broke")
+
+def nan(response, ground_truth, extras):
+    return math.nan
+"""
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text(USER_REWARDS)
+    return path
+
+
+def test_failures_score_zero_are_counted_and_never_stall(user_file):
+    registry = CollectorRegistry()
+    errors = Counter("sparrow_trainer_reward_errors", "test", ["reason"], registry=registry)
+    pool = RewardPool(workers=2, timeout_s=2.0, errors_counter=errors)
+    try:
+        start = time.monotonic()
+        futures = {
+            name: pool.submit(f"{user_file}:{name}", "42", "42", {}) for name in ("sleeps", "raises", "nan", "good")
+        }
+        results = {name: f.result(timeout=120) for name, f in futures.items()}
+        assert time.monotonic() - start < 100  # bounded by the timeout and a worker's start, not the 60 s sleep
+        assert results["good"].score == 1.0 and results["good"].info == {"length": 2.0}
+        assert [(results[n].score, results[n].error) for n in ("sleeps", "raises", "nan")] == [
+            (0.0, "timeout"),
+            (0.0, "raised"),
+            (0.0, "non_finite"),
+        ]
+        # the killed worker was replaced: the pool still scores
+        assert pool.submit(f"{user_file}:good", "a", "b", {}).result(timeout=120).score == 0.0
+        counted = {r: registry.get_sample_value("sparrow_trainer_reward_errors_total", {"reason": r}) for r in
+                   ("timeout", "raised", "non_finite")}  # fmt: skip
+        assert counted == {"timeout": 1.0, "raised": 1.0, "non_finite": 1.0}
+    finally:
+        pool.close()
+
+
+def test_builtin_rewards_in_the_pool():
+    pool = RewardPool(workers=1, timeout_s=10.0)
+    try:
+        cases = [
+            ("math", "so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+            ("math", "the answer is \\boxed{3}", "4", 0.0),
+            ("boxed", "\\boxed{1,000}", "1000", 1.0),
+            ("chain", "1 a b ; \\boxed{ b }", "b", 1.0),
+        ]
+        got = [pool.submit(name, text, truth, {}).result(timeout=120).score for name, text, truth, _ in cases]
+        assert got == [c[3] for c in cases]
+    finally:
+        pool.close()
+
+
+def test_unknown_or_unimportable_rewards_are_one_line(tmp_path, user_file):
+    (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
+    for name, message in [
+        ("exact", "unknown reward 'exact'"),
+        (f"{tmp_path}/broken.py:fn", "cannot import .*ModuleNotFoundError"),
+        (f"{tmp_path}/none.py:fn", "no such file"),
+        (f"{user_file}:missing", "has no function 'missing'"),
+        ("json:dumps", r"dumps must take \(response, ground_truth, extras\)"),
+        ("sparrow.rewards:boxed_score", None),
+    ]:
+        if message is None:
+            resolve_reward(name)
+            continue
+        with pytest.raises(RewardError, match=message) as info:
+            resolve_reward(name)
+        assert "\n" not in str(info.value)
+
+
+def test_coerce_score():
+    assert coerce_score(True) == (1.0, {}, None)
+    assert coerce_score({"score": 0.5, "acc": 1}) == (0.5, {"acc": 1.0}, None)
+    assert coerce_score({"acc": 1})[2] == "bad_value"
+    assert coerce_score("1")[2] == "bad_value"
+    assert coerce_score(math.inf)[2] == "non_finite"
+    assert coerce_score(10**400)[2] == "non_finite"
