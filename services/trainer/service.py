@@ -23,8 +23,11 @@ from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
+from services.trainer.policy_sources import SourcePlanner
+from services.trainer.policy_sync import PolicySyncStore, publish_policy
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+from sparrow.weight_delta import SERVING_DTYPES, cast_state, checkpoint_dtype
 
 log = logging.getLogger("sparrow.trainer")
 
@@ -70,6 +73,10 @@ class TrainerService:
             group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.state = resumed or TrainState(run_id=self._run_id())
         self.weights = WeightStore(self.run_dir, config.weights.keep)
+        self.sync = PolicySyncStore(self.run_dir, config.weights.deltas)
+        w = config.weights
+        self.serving_dtype = checkpoint_dtype(config.model_dir) if w.dtype == "auto" else w.dtype
+        self.planner = SourcePlanner(w.trainer_fanout, w.peer_fanout, keep=w.keep + 1)
         self._publish_start()
         if self.distill is not None:
             self.distill.publish_start(self.weights, self.state.policy_version, self.state.step)
@@ -167,8 +174,14 @@ class TrainerService:
 
     def publish(self, version: int) -> None:
         """Publish the current policy as `version` (every rank gathers; this one process writes)."""
-        state = gather_policy_state(self.model)
-        self.weights.publish(POLICY, version, lambda out: save_hf_policy(self.model, state, out, self.config.model_dir))
+        state = cast_state(gather_policy_state(self.model), SERVING_DTYPES[self.serving_dtype])
+        publish_policy(
+            self.weights,
+            self.sync,
+            version,
+            lambda out: save_hf_policy(self.model, state, out, self.config.model_dir),
+            self.serving_dtype,
+        )
         self.state.policy_version = version
         self.metrics.policy_version.set(version)
 
@@ -179,13 +192,13 @@ class TrainerService:
         from services.api.sparrow.v1 import rollout_pb2_grpc, weights_pb2_grpc
         from services.common.grpc_server import add_health_and_reflection, bind, build_server
         from services.trainer.rollout_servicer import RolloutServicer
+        from services.trainer.sync_servicer import TrainerWeightServicer
         from services.trainer.validate import Limits
-        from services.trainer.weight_servicer import WeightServicer
 
         c = self.config
         security = c.security.grpc()
         w = c.weights
-        weights = WeightServicer(self.weights, w.default_chunk_bytes, w.max_chunk_bytes)
+        weights = TrainerWeightServicer(self.weights, w.default_chunk_bytes, w.max_chunk_bytes, self.sync, self.planner)
         limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
         rollouts = RolloutServicer(self.store, self.ledger, weights, limits, self.metrics)
         self._server = build_server(security, c.grpc.max_workers, c.grpc.max_message_bytes)
