@@ -96,6 +96,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     h.add_argument("--out", default=None, help="write the whole result here (JSON)")
     h.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     h.add_argument("--json", action="store_true", help="print JSON")
+    from sparrow_cli.bench_weights_cmd import add_parser as add_weights
+
+    add_weights(sub)
     p.set_defaults(handler=run)
 
 
@@ -113,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         return run_distill(args)
     if args.bench == "heldout":
         return _heldout(args)
+    if args.bench == "weights":
+        from sparrow_cli.bench_weights_cmd import run_weights
+
+        return run_weights(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 

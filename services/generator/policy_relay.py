@@ -1,9 +1,10 @@
 """A generator's relay: the policy version it holds, served read-only to peers as a WeightService.
 
 A peer asks for a version this generator holds (its verified folder, and the delta it was built
-from, if any) or is still fetching: the call then waits until the version is held, or fails as
-UNAVAILABLE when this generator gives it up, so the trainer can hand out a source before that
-source has finished (a tree of relays fills in one pass). WatchVersions, FetchAdapter and
+from, if any) or is still fetching: the call then waits until the version is held (a delta: until
+it has arrived here whole, before it is applied), or fails as UNAVAILABLE when this generator
+gives it up, so the trainer can hand out a source before that source has finished (a tree of
+relays fills in one pass). WatchVersions, FetchAdapter and
 GetPolicySource stay the trainer's (UNIMPLEMENTED here). The server checks the same service token
 as the trainer's; whatever a relay sends, the receiver checks the result against the trainer's digest.
 """
@@ -40,6 +41,7 @@ class HeldPolicy:
         self._cond = threading.Condition()
         self._held: _Held | None = None
         self._pending: int = 0
+        self._delta: _Held | None = None  # a delta of the pending version, arrived, not yet applied
         self._closed = False
 
     @property
@@ -53,11 +55,21 @@ class HeldPolicy:
             self._pending = version
             self._cond.notify_all()
 
+    def delta_arrived(self, version: int, delta_folder: Path, delta_base: int) -> None:
+        """The delta to `version` arrived whole (its file checksum matched): peers may have it while it is applied
+        here. Each receiver checks the result against the trainer's digest, so nothing depends on this copy."""
+        with self._cond:
+            if self._pending == version:
+                self._delta = _Held(version, delta_folder, delta_folder, delta_base)
+                self._cond.notify_all()
+
     def gave_up(self, version: int) -> None:
         """The fetch of `version` failed: peers waiting for it are answered UNAVAILABLE."""
         with self._cond:
             if self._pending == version:
                 self._pending = 0
+            if self._delta is not None and self._delta.version == version:
+                self._delta = None
             self._cond.notify_all()
 
     def hold(self, version: int, folder: Path, delta_folder: Path | None = None, delta_base: int = 0) -> None:
@@ -66,6 +78,8 @@ class HeldPolicy:
             self._held = _Held(version, folder, delta_folder, delta_base)
             if self._pending <= version:
                 self._pending = 0
+            if self._delta is not None and self._delta.version <= version:
+                self._delta = None
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -86,6 +100,19 @@ class HeldPolicy:
             )
             held = self._held
             return held if held is not None and held.version == version and not self._closed else None
+
+    def wait_for_delta(self, version: int, timeout_s: float) -> _Held | None:
+        """The delta to `version`, from the held version or one that arrived for the pending one (None: neither)."""
+        with self._cond:
+
+            def ready() -> _Held | None:
+                for h in (self._held, self._delta):
+                    if h is not None and h.version == version and h.delta_folder is not None:
+                        return h
+                return None
+
+            self._cond.wait_for(lambda: self._closed or ready() is not None or self._pending != version, timeout_s)
+            return None if self._closed else ready()
 
     def full_manifest(self, held: _Held) -> weights_pb2.WeightManifest:
         """The manifest of `held`'s full folder (sha256 of every file), computed once."""
@@ -120,8 +147,14 @@ class RelayServicer(weights_pb2_grpc.WeightServiceServicer):
         yield from stream_folder(held.folder, self.held.full_manifest(held), self._size(request.chunk_bytes), context)
 
     def FetchPolicyDelta(self, request: weights_pb2.FetchPolicyDeltaRequest, context: grpc.ServicerContext):
-        held = self._get(request.version, context)
-        if held.delta_folder is None or held.delta_base != request.base_version:
+        if request.version <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a relay serves explicit policy versions (> 0)")
+        held = self.held.wait_for_delta(request.version, self.wait_s)
+        if held is None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE, f"this relay does not hold policy v{request.version} or a delta to it"
+            )
+        if held.delta_base != request.base_version:
             context.abort(
                 grpc.StatusCode.NOT_FOUND,
                 f"this relay holds no delta from v{request.base_version} to v{request.version}",

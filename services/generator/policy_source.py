@@ -139,6 +139,7 @@ class PolicySource:
     ) -> PolicyFetched:
         version, base = answer.version, answer.delta_base_version
         delta = self.fetcher.fetch(POLICY_DELTA, version, source, base_version=base, timeout_s=timeout)
+        self.held.delta_arrived(version, delta.folder, base)  # peers may take it on while it is applied here
         out = self.fetcher.root / f".policy-v{version}-from-delta"
         shutil.rmtree(out, ignore_errors=True)
         try:

@@ -111,7 +111,7 @@ class WeightsConfig(ConfigSection):
         "dtype, bf16 for a Qwen3 checkpoint). The trainer's master weights stay fp32.",
     )
     deltas: bool = Field(
-        True, description="Also publish each version as a delta against the previous one (when smaller than it)."
+        True, description="Also publish each version as a delta against the previous one (when under half its size)."
     )
     trainer_fanout: int = Field(
         2, ge=1, description="Generators per version fetched from the trainer itself; later ones get a peer."

@@ -5,8 +5,8 @@
 
 `prepare` runs while a version is written (inside `WeightStore.publish`, before the version is
 visible): it computes the digest of the version's tensors and, when the previous version has the same
-layout, a delta against it, kept only when smaller than the full weights (in fp32 an Adam step moves
-every element, and the delta would be larger). The record is written before the version exists, so a
+layout, a delta against it, kept only when under half the full weights (in fp32 an Adam step moves
+every element, and the delta is about as large). The record is written before the version exists, so a
 generator told of a version always finds its digest. Records follow the store's `keep`.
 """
 
@@ -27,6 +27,8 @@ from sparrow.weight_delta import DELTA_FILE, folder_digest, weight_files, write_
 log = logging.getLogger("sparrow.trainer.weights")
 
 SYNC_DIR = "policy-sync"
+# A delta that saves less than half the bytes is not worth its rebuild (an fp32 step moves every element).
+DELTA_KEPT_BELOW = 0.5
 _RECORD = re.compile(r"^v(\d{8,})(\.json)?$")
 
 
@@ -100,7 +102,7 @@ class PolicySyncStore:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
             stats = write_delta(base, folder, tmp / DELTA_FILE, base_version, version, digest)
-            if stats is not None and stats.delta_bytes < full:
+            if stats is not None and stats.delta_bytes < DELTA_KEPT_BELOW * full:
                 tmp.rename(final)
                 delta_base, delta_bytes = base_version, stats.delta_bytes
                 log.info(
