@@ -38,6 +38,7 @@ class StandinGenerator:
         chunk_bytes: int = 4 << 20,
         peer_timeout_s: float = 120.0,
         on_loaded=None,
+        metrics=None,
     ) -> None:
         self.generator_id = generator_id
         security = security or GrpcSecurity()
@@ -47,14 +48,14 @@ class StandinGenerator:
         address = f"127.0.0.1:{self.relay.port}" if self.relay else ""
         source = None
         if digest_checked:
-            source = PolicySource(self.fetcher, generator_id, self.held, address, peer_timeout_s)
+            source = PolicySource(self.fetcher, generator_id, self.held, address, peer_timeout_s, metrics)
         self.weights: dict = {}
         self.version = 0
         self.loaded: dict[int, str] = {}
         self.refused: list[str] = []
         self.on_loaded = on_loaded
         self._lock = threading.Lock()
-        self.sync = VersionSync(self.fetcher, self._load, self._serving, policy_source=source)
+        self.sync = VersionSync(self.fetcher, self._load, self._serving, metrics, policy_source=source)
         self.watch = VersionWatcher(trainer, security, generator_id, self.sync.offer)
 
     @property

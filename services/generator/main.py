@@ -102,7 +102,7 @@ class Generator:
         t, client = config.trainer, config.security.client()
         root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
         fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
-        self.relay, source = self._relay(config, fetcher)
+        self.relay, source = self._relay(config, fetcher, self.metrics)
         self.sync = VersionSync(
             fetcher,
             self.service.load,
@@ -138,7 +138,7 @@ class Generator:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def _relay(config: GeneratorConfig, fetcher):
+    def _relay(config: GeneratorConfig, fetcher, metrics):
         """The relay server and the source-aware policy fetch, when relaying is on (else None, None)."""
         import socket
 
@@ -154,7 +154,7 @@ class Generator:
         except (OSError, RuntimeError) as exc:
             raise SetupError(f"relay: cannot listen on {r.host}:{r.port}: {exc}") from None
         advertise = r.advertise or f"{socket.gethostname()}:{relay.port}"
-        return relay, PolicySource(fetcher, config.generator_id, held, advertise, r.peer_timeout_s)
+        return relay, PolicySource(fetcher, config.generator_id, held, advertise, r.peer_timeout_s, metrics)
 
     def start(self) -> None:
         """Open the servers and the watchers (the engine loop is `run`)."""

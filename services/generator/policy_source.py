@@ -20,6 +20,7 @@ import grpc
 
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
 from services.common.grpc_server import open_channel
+from services.generator.metrics import GeneratorMetrics
 from services.generator.policy_relay import HeldPolicy
 from services.generator.weight_fetch import (
     POLICY,
@@ -46,6 +47,7 @@ class PolicyFetched:
     delta_folder: Path | None = None
     delta_base: int = 0
     nbytes: int = 0  # bytes that came over the wire
+    published_unix_s: float = 0.0  # when the trainer published it
 
 
 class PolicySource:
@@ -58,9 +60,28 @@ class PolicySource:
         held: HeldPolicy,
         relay_address: str = "",
         peer_timeout_s: float = 120.0,
+        metrics: GeneratorMetrics | None = None,
     ) -> None:
         self.fetcher, self.generator_id, self.held = fetcher, generator_id, held
         self.relay_address, self.peer_timeout_s = relay_address, peer_timeout_s
+        self.metrics = metrics
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.metrics is None:
+            return
+        if isinstance(exc, DeltaError):
+            reason = "digest" if "digest" in str(exc) else "delta"
+        elif isinstance(exc, WeightsUnavailable):
+            reason = "unavailable"
+        else:
+            reason = "digest" if "digest" in str(exc) else "refused"
+        self.metrics.policy_fetch_failures.labels(reason=reason).inc()
+
+    def _got(self, got: PolicyFetched) -> PolicyFetched:
+        if self.metrics is not None:
+            source = "peer" if got.source else "trainer"
+            self.metrics.policy_fetch_bytes.labels(kind=got.kind, source=source).inc(got.nbytes)
+        return got
 
     def _ask(self, version: int, held_version: int, failed: list[str]) -> weights_pb2.GetPolicySourceResponse:
         channel = open_channel(self.fetcher.address, self.fetcher.security)
@@ -103,11 +124,16 @@ class PolicySource:
                 for peer in peers:
                     tried.add(peer)
                     try:
-                        return self._from(peer, answer, held_folder, held_version)
+                        return self._got(self._from(peer, answer, held_folder, held_version))
                     except WeightFetchError as exc:
+                        self._failed(exc)
                         log.warning("peer %s dropped for policy v%d: %s", peer, version, exc)
                         failed.append(peer)
-            return self._from("", answer, held_folder, held_version)
+            try:
+                return self._got(self._from("", answer, held_folder, held_version))
+            except WeightFetchError as exc:
+                self._failed(exc)
+                raise
         except BaseException:
             self.held.gave_up(version)
             raise
@@ -121,6 +147,7 @@ class PolicySource:
             try:
                 return self._delta(source, answer, held_folder, timeout)
             except (WeightFetchError, DeltaError) as exc:
+                self._failed(exc)
                 where = source or "the trainer"
                 log.warning("policy v%d delta from %s refused (%s); fetching it whole", version, where, exc)
         fetched = self.fetcher.fetch(POLICY, version, source, timeout_s=timeout)
@@ -132,7 +159,7 @@ class PolicySource:
                 f"not the trainer's {answer.result_sha256[:16]}... (other weights than the version's)"
             )
         nbytes = sum(f.size_bytes for f in fetched.manifest.files)
-        return PolicyFetched(fetched, source, "full", nbytes=nbytes)
+        return PolicyFetched(fetched, source, "full", nbytes=nbytes, published_unix_s=answer.published_unix_seconds)
 
     def _delta(
         self, source: str, answer: weights_pb2.GetPolicySourceResponse, held_folder: Path, timeout: float
@@ -155,4 +182,5 @@ class PolicySource:
             raise
         nbytes = sum(f.size_bytes for f in delta.manifest.files)
         manifest = weights_pb2.WeightManifest(version=version)
-        return PolicyFetched(Fetched(POLICY, version, final, manifest), source, "delta", delta.folder, base, nbytes)
+        fetched = Fetched(POLICY, version, final, manifest)
+        return PolicyFetched(fetched, source, "delta", delta.folder, base, nbytes, answer.published_unix_seconds)

@@ -20,6 +20,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -435,6 +436,8 @@ class VersionSync:
                 if self._delta_folder is not None and self._delta_folder != got.delta_folder:
                     shutil.rmtree(self._delta_folder, ignore_errors=True)
                 self._delta_folder = got.delta_folder
+                if self.metrics is not None and got.published_unix_s:
+                    self.metrics.policy_sync_seconds.set(max(0.0, time.time() - got.published_unix_s))
                 self.policy_source.report_held(fetched.version)
             self._retry_backoff.reset()
             log.info("now serving %s v%d", kind, fetched.version)

@@ -16,8 +16,9 @@ import json
 import logging
 import re
 import shutil
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from services.trainer.store import replace_text
@@ -41,6 +42,7 @@ class SyncRecord:
     delta_base_version: int = 0
     delta_bytes: int = 0
     full_bytes: int = 0
+    published_unix_s: float = 0.0
 
 
 def publish_policy(
@@ -112,7 +114,7 @@ class PolicySyncStore:
                 )  # fmt: skip
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
-        record = SyncRecord(version, digest, delta_base, delta_bytes, full)
+        record = SyncRecord(version, digest, delta_base, delta_bytes, full, time.time())
         replace_text(self._record_path(version), json.dumps(record.__dict__) + "\n")
         return record
 
@@ -120,8 +122,10 @@ class PolicySyncStore:
         """The record of `version`, or None when there is none (not published, or retired)."""
         try:
             d = json.loads(self._record_path(version).read_text())
-            return SyncRecord(**{k: (str(v) if k == "result_sha256" else int(v)) for k, v in d.items()})
-        except (OSError, ValueError, TypeError):
+            types = {f.name: f.type for f in fields(SyncRecord)}
+            cast = {"int": int, "str": str, "float": float}
+            return SyncRecord(**{k: cast[types[k]](v) for k, v in d.items()})
+        except (OSError, ValueError, TypeError, KeyError):
             return None
 
     def retire(self, published: Callable[[int], bool]) -> None:

@@ -65,7 +65,11 @@ class TrainerWeightServicer(WeightServicer):
             context.abort(
                 grpc.StatusCode.NOT_FOUND, f"policy v{request.version} is not published (latest: {latest or 'none'})"
             )
-        response = weights_pb2.GetPolicySourceResponse(version=record.version, result_sha256=record.result_sha256)
+        response = weights_pb2.GetPolicySourceResponse(
+            version=record.version,
+            result_sha256=record.result_sha256,
+            published_unix_seconds=record.published_unix_s,
+        )
         if request.held_version >= request.version:
             self.planner.report(request.generator_id, request.version, request.relay_address)
             return response

@@ -15,6 +15,7 @@ import services.generator.policy_relay as policy_relay
 from bench.weight_fleet import PublishingTrainer, StandinGenerator
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
 from services.common.grpc_server import GrpcSecurity, open_channel
+from services.generator.metrics import GeneratorMetrics
 from services.generator.policy_relay import HeldPolicy, RelayServer
 from services.generator.weight_fetch import POLICY_DELTA, WeightFetcher, WeightFetchError, WeightsUnavailable
 from sparrow.weight_delta import DELTA_FILE, META_KEY, cast_state
@@ -160,7 +161,8 @@ def test_a_corrupted_delta_is_caught_by_the_digest_and_the_full_version_served(f
     make, gen = fleet
     trainer, policy = make(trainer_fanout=4), Policy()
     trainer.publish(1, policy.serving(), "bfloat16", SIDE)
-    gens = [gen(trainer, f"g{i}") for i in range(2)]
+    metrics = [GeneratorMetrics() for _ in range(2)]
+    gens = [gen(trainer, f"g{i}", metrics=m) for i, m in enumerate(metrics)]
     _wait(gens, 1)
     policy.step()
     # The delta is tampered with between publish and fetch: publish, then corrupt before anyone is told.
@@ -179,6 +181,11 @@ def test_a_corrupted_delta_is_caught_by_the_digest_and_the_full_version_served(f
     for g in gens:
         assert g.loaded == {1: trainer.sync.record(1).result_sha256, 2: digest}  # the corrupt one never served
     assert trainer.sent["delta"] > 0 and trainer.sent["full"] >= 2 * trainer.sync.record(2).full_bytes
+    for m in metrics:  # each counted the refused delta, and the bytes it received by kind and source
+        assert m.policy_fetch_failures.labels(reason="digest")._value.get() == 1
+        assert m.policy_fetch_bytes.labels(kind="full", source="trainer")._value.get() > 0
+        assert m.policy_fetch_bytes.labels(kind="delta", source="trainer")._value.get() == 0  # none applied
+        assert 0 <= m.policy_sync_seconds._value.get() < 60
 
 
 def test_a_delta_for_a_version_not_held_is_refused_with_a_clear_status(fleet, tmp_path):

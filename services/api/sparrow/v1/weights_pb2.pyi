@@ -32,16 +32,18 @@ class GetPolicySourceRequest(_message.Message):
     def __init__(self, generator_id: _Optional[str] = ..., version: _Optional[int] = ..., held_version: _Optional[int] = ..., relay_address: _Optional[str] = ..., failed_sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetPolicySourceResponse(_message.Message):
-    __slots__ = ("version", "result_sha256", "delta_base_version", "sources")
+    __slots__ = ("version", "result_sha256", "delta_base_version", "sources", "published_unix_seconds")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RESULT_SHA256_FIELD_NUMBER: _ClassVar[int]
     DELTA_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     result_sha256: str
     delta_base_version: int
     sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., result_sha256: _Optional[str] = ..., delta_base_version: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    published_unix_seconds: float
+    def __init__(self, version: _Optional[int] = ..., result_sha256: _Optional[str] = ..., delta_base_version: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., published_unix_seconds: _Optional[float] = ...) -> None: ...
 
 class WatchVersionsRequest(_message.Message):
     __slots__ = ("generator_id",)
