@@ -91,7 +91,7 @@ class RelayConfig(ConfigSection):
     host: str = Field("0.0.0.0", description="Address the relay listens on.")
     port: int = Field(0, ge=0, le=65535, description="Port of the relay; 0 picks a free one.")
     advertise: str = Field(
-        "", description="host:port peers reach the relay at; empty: this host's name and the relay's port."
+        "", description="host:port peers reach the relay at; empty: relay.host (this host's name for 0.0.0.0) and port."
     )
     wait_s: float = Field(
         300.0, gt=0, description="How long a peer's fetch waits for a version this generator is still fetching."

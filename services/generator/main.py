@@ -153,7 +153,8 @@ class Generator:
             relay = RelayServer(held, config.security.server(), f"{r.host}:{r.port}", r.wait_s)
         except (OSError, RuntimeError) as exc:
             raise SetupError(f"relay: cannot listen on {r.host}:{r.port}: {exc}") from None
-        advertise = r.advertise or f"{socket.gethostname()}:{relay.port}"
+        host = r.host if r.host not in ("", "0.0.0.0", "::") else socket.gethostname()  # a wildcard is no address
+        advertise = r.advertise or f"{host}:{relay.port}"
         return relay, PolicySource(fetcher, config.generator_id, held, advertise, r.peer_timeout_s, metrics)
 
     def start(self) -> None:
