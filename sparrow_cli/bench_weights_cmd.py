@@ -17,7 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--generators", type=int, default=8, help="generator processes (default 8)")
     w.add_argument("--versions", type=int, default=3, help="versions published per mode, the first whole (3)")
     w.add_argument("--lr", type=float, default=1e-6, help="the step each element moves per version (1e-6)")
-    w.add_argument("--modes", default="fp32-trainer,bf16-trainer,bf16-relay,bf16-relay-delta", help="modes to run")
+    w.add_argument(
+        "--modes",
+        default="fp32-trainer,bf16-trainer,bf16-relay,bf16-relay-delta",
+        help="modes to run (empty with --real-steps: only those)",
+    )
     w.add_argument("--real-steps", type=int, default=0, help="also: delta sizes of N real GRPO steps of --model (0)")
     w.add_argument("--model", default="models/tiny", help="model of --real-steps (default models/tiny)")
     w.add_argument("--out", default=None, help="write the whole report here (JSON)")
@@ -36,11 +40,11 @@ def run_weights(args: argparse.Namespace) -> int:
         raise CliError("--real-steps must be >= 0")
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
+    if unknown or not (modes or args.real_steps):
         raise CliError(f"--modes: unknown {unknown or 'none given'}; known: {', '.join(MODES)}")
     if args.real_steps and not (Path(args.model) / "config.json").is_file():
         raise CliError(f"--model {args.model}: no config.json there")
-    result = run(args.layers, args.generators, args.versions, args.lr, modes, vocab=args.vocab)
+    result = run(args.layers, args.generators, args.versions, args.lr, modes, vocab=args.vocab) if modes else {}
     if args.real_steps:
         from bench.weight_real_steps import real_step_deltas
 
@@ -49,6 +53,14 @@ def run_weights(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.json:
         print(json.dumps(result))
+        return 0
+    for row in result.get("real_steps", {}).get("steps", []):
+        b, f = row["bf16"], row["fp32"]
+        print(
+            f"real step {row['step']}: bf16 {b['changed_fraction']:.2%} of elements changed, delta "
+            f"{b['delta_per_full']:.2%} of the weights; fp32 {f['changed_fraction']:.2%}, {f['delta_per_full']:.2%}"
+        )
+    if not modes:
         return 0
     s = result["shape"]
     print(

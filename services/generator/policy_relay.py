@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -32,6 +32,7 @@ class _Held:
     delta_folder: Path | None
     delta_base: int
     manifest: weights_pb2.WeightManifest | None = None  # of the full folder, computed at the first full fetch
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class HeldPolicy:
@@ -115,8 +116,9 @@ class HeldPolicy:
             return None if self._closed else ready()
 
     def full_manifest(self, held: _Held) -> weights_pb2.WeightManifest:
-        """The manifest of `held`'s full folder (sha256 of every file), computed once."""
-        with self._cond:
+        """The manifest of `held`'s full folder (sha256 of every file), computed once (outside the lock: it reads
+        the whole folder, and waiting peers must not wait on it)."""
+        with held.lock:
             if held.manifest is None:
                 held.manifest = folder_manifest(held.folder, held.version)
             return held.manifest

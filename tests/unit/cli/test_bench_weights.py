@@ -34,6 +34,7 @@ def test_bench_weights_json_every_mode_identical_and_the_relay_delta_mode_sends_
     [
         (["--generators", "0"], "--generators must be"),
         (["--modes", "bf16-trainer,warp"], "--modes: unknown ['warp']"),
+        (["--modes", ""], "--modes: unknown none given"),
         (["--lr", "0"], "--lr must be positive"),
         (["--real-steps", "1", "--model", "no/such/model"], "--model no/such/model: no config.json"),
     ],
