@@ -276,3 +276,20 @@ def test_the_trainer_refuses_bad_source_requests(fleet):
         assert list(answer.sources) == [""]
     finally:
         channel.close()
+
+
+def test_a_generator_more_than_one_version_behind_fetches_the_full_version(fleet, tmp_path):
+    from services.generator.policy_source import PolicySource
+
+    make, _ = fleet
+    trainer, policy = make(), Policy()
+    for v in (1, 2, 3):
+        trainer.publish(v, policy.serving(), "bfloat16", SIDE)
+        policy.step()
+    source = PolicySource(WeightFetcher(trainer.address, GrpcSecurity(), tmp_path / "f"), "behind", HeldPolicy())
+    v1 = trainer.store.folder("policy", 1)
+    behind = source.fetch(3, v1, 1)
+    assert behind.kind == "full" and behind.fetched.version == 3
+    current = source.fetch(3, trainer.store.folder("policy", 2), 2)
+    assert current.kind == "delta" and current.nbytes == trainer.sync.record(3).delta_bytes
+    assert trainer.sent["delta"] == trainer.sync.record(3).delta_bytes
