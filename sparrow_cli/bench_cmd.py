@@ -108,6 +108,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from sparrow_cli.bench_sandbox_cmd import add_sandbox_parser
 
     add_sandbox_parser(sub)
+    from sparrow_cli.bench_weights_cmd import add_parser as add_weights
+
+    add_weights(sub)
     p.set_defaults(handler=run)
 
 
@@ -131,6 +134,10 @@ def run(args: argparse.Namespace) -> int:
         from sparrow_cli.bench_sandbox_cmd import run_sandbox_bench
 
         return run_sandbox_bench(args)
+    if args.bench == "weights":
+        from sparrow_cli.bench_weights_cmd import run_weights
+
+        return run_weights(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 
