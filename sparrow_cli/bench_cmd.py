@@ -125,6 +125,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from sparrow_cli.bench_sandbox_cmd import add_sandbox_parser
 
     add_sandbox_parser(sub)
+    from sparrow_cli.bench_weights_cmd import add_parser as add_weights
+
+    add_weights(sub)
     p.set_defaults(handler=run)
 
 
@@ -150,6 +153,10 @@ def run(args: argparse.Namespace) -> int:
         return run_sandbox_bench(args)
     if args.bench == "trainer":
         return _trainer(args)
+    if args.bench == "weights":
+        from sparrow_cli.bench_weights_cmd import run_weights
+
+        return run_weights(args)
     raise CliError(f"unknown benchmark {args.bench!r}")
 
 

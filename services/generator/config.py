@@ -82,6 +82,25 @@ class SecurityConfig(ConfigSection):
         return GrpcSecurity(token=self._token(), tls_cert=self.tls_cert, tls_ca=self.tls_ca)
 
 
+class RelayConfig(ConfigSection):
+    """Serving the policy version this generator holds to peers (read-only WeightService, same token)."""
+
+    enabled: bool = Field(
+        False, description="Relay policy versions to peers the trainer sends here, and check every version's digest."
+    )
+    host: str = Field("0.0.0.0", description="Address the relay listens on.")
+    port: int = Field(0, ge=0, le=65535, description="Port of the relay; 0 picks a free one.")
+    advertise: str = Field(
+        "", description="host:port peers reach the relay at; empty: relay.host (this host's name for 0.0.0.0) and port."
+    )
+    wait_s: float = Field(
+        300.0, gt=0, description="How long a peer's fetch waits for a version this generator is still fetching."
+    )
+    peer_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of one fetch from a peer; a slower peer is dropped for another source."
+    )
+
+
 class EngineConfig(ConfigSection):
     """Which engine generates, and its limits."""
 
@@ -146,6 +165,7 @@ class GeneratorConfig(SparrowConfig):
     queue: QueueConfig = Field(default_factory=QueueConfig, description="Work stream and retry policy.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer's gRPC services.")
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
+    relay: RelayConfig = Field(default_factory=RelayConfig, description="Peer relay of policy versions.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The rollout engine.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Sparsity schedule source.")
     metrics: EndpointConfig = Field(

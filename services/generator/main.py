@@ -102,8 +102,14 @@ class Generator:
         t, client = config.trainer, config.security.client()
         root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
         fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
+        self.relay, source = self._relay(config, fetcher, self.metrics)
         self.sync = VersionSync(
-            fetcher, self.service.load, lambda: self.service.serving, self.metrics, self.service.adapter_folders_in_use
+            fetcher,
+            self.service.load,
+            lambda: self.service.serving,
+            self.metrics,
+            self.service.adapter_folders_in_use,
+            source,
         )
         self.service.sync = self.sync
         self.version_watch = (
@@ -131,6 +137,26 @@ class Generator:
         self.metrics_port = 0
         self._thread: threading.Thread | None = None
 
+    @staticmethod
+    def _relay(config: GeneratorConfig, fetcher, metrics):
+        """The relay server and the source-aware policy fetch, when relaying is on (else None, None)."""
+        import socket
+
+        from services.generator.policy_relay import HeldPolicy, RelayServer
+        from services.generator.policy_source import PolicySource
+
+        r = config.relay
+        if not r.enabled:
+            return None, None
+        held = HeldPolicy()
+        try:
+            relay = RelayServer(held, config.security.server(), f"{r.host}:{r.port}", r.wait_s)
+        except (OSError, RuntimeError) as exc:
+            raise SetupError(f"relay: cannot listen on {r.host}:{r.port}: {exc}") from None
+        host = r.host if r.host not in ("", "0.0.0.0", "::") else socket.gethostname()  # a wildcard is no address
+        advertise = r.advertise or f"{host}:{relay.port}"
+        return relay, PolicySource(fetcher, config.generator_id, held, advertise, r.peer_timeout_s, metrics)
+
     def start(self) -> None:
         """Open the servers and the watchers (the engine loop is `run`)."""
         from services.generator.control import ControlServer
@@ -143,6 +169,8 @@ class Generator:
         except OSError as exc:
             self.close()
             raise SetupError(f"cannot listen: {exc}") from None
+        if self.relay is not None:
+            self.relay.start()
         self.sync.start()
         for watcher in (self.version_watch, self.schedule_watch):
             if watcher is not None:
@@ -178,6 +206,9 @@ class Generator:
         if self.control is not None:
             self.control.stop(1.0)
             self.control = None
+        if self.relay is not None:
+            self.relay.stop(1.0)
+            self.relay = None
         self.metrics.close()
         self.redis.close()
 

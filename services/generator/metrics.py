@@ -21,6 +21,7 @@ from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
 
 SWAP_KINDS = ("policy", "adapter", "schedule", "probe")
 SWAP_OUTCOMES = ("ok", "refused")
+FETCH_FAILURE_REASONS = ("unavailable", "refused", "digest", "delta")
 TRAJECTORY_STATUSES = ("accepted", "duplicate", "rejected")
 GROUP_OUTCOMES = ("done", "retried", "dead_lettered", "reclaimed")
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
@@ -70,6 +71,23 @@ class GeneratorMetrics:
         self.swaps = Counter(
             "sparrow_generator_swaps", "Hot swaps by kind and outcome.", ["kind", "outcome"], registry=r
         )
+        self.policy_fetch_bytes = Counter(
+            "sparrow_generator_policy_fetch_bytes",
+            "Bytes of policy versions received, by kind (full, delta) and source (trainer, peer).",
+            ["kind", "source"],
+            registry=r,
+        )
+        self.policy_fetch_failures = Counter(
+            "sparrow_generator_policy_fetch_failures",
+            "Policy fetches from one source that failed, by reason (unavailable, refused, digest, delta).",
+            ["reason"],
+            registry=r,
+        )
+        self.policy_sync_seconds = Gauge(
+            "sparrow_generator_policy_sync_seconds",
+            "Seconds from the trainer publishing the served policy version to this generator serving it.",
+            registry=r,
+        )
         self.trajectories = Counter(
             "sparrow_generator_trajectories", "Trajectories the trainer acked, by status.", ["status"], registry=r
         )
@@ -85,6 +103,11 @@ class GeneratorMetrics:
         for kind in SWAP_KINDS:
             for outcome in SWAP_OUTCOMES:
                 self.swaps.labels(kind=kind, outcome=outcome)
+        for kind in ("full", "delta"):
+            for source in ("trainer", "peer"):
+                self.policy_fetch_bytes.labels(kind=kind, source=source)
+        for reason in FETCH_FAILURE_REASONS:
+            self.policy_fetch_failures.labels(reason=reason)
         for status in TRAJECTORY_STATUSES:
             self.trajectories.labels(status=status)
         for outcome in GROUP_OUTCOMES:

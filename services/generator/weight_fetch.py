@@ -20,10 +20,11 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -33,9 +34,12 @@ from services.generator.engine import EngineError, EngineVersions
 from services.generator.metrics import GeneratorMetrics
 from services.generator.trajectory_stream import Backoff
 
+if TYPE_CHECKING:
+    from services.generator.policy_source import PolicySource
+
 log = logging.getLogger("sparrow.generator.weights")
 
-POLICY, ADAPTER = "policy", "adapter"
+POLICY, ADAPTER, POLICY_DELTA = "policy", "adapter", "policy-delta"
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -82,31 +86,43 @@ class WeightFetcher:
         for call in calls:
             call.cancel()
 
-    def fetch(self, kind: str, version: int) -> Fetched:
-        """Fetch `version` (0: the latest) of `kind` ("policy" or "adapter"); raises WeightFetchError."""
+    def fetch(
+        self, kind: str, version: int, address: str = "", base_version: int = 0, timeout_s: float = 0.0
+    ) -> Fetched:
+        """Fetch `version` (0: the latest) of `kind` ("policy", "adapter", or "policy-delta" from `base_version`)
+        from `address` (default: the trainer); raises WeightFetchError."""
+        address = address or self.address
         what = f"{kind} v{version}" if version else f"latest {kind}"
+        if address != self.address:
+            what += f" from peer {address}"
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=self.root))
-        channel = open_channel(self.address, self.security)
+        channel = open_channel(address, self.security)
+        timeout = timeout_s or self.timeout_s
         try:
             stub = weights_pb2_grpc.WeightServiceStub(channel)
             # The deadline bounds a trainer that hangs mid-download: without it the swap would wait forever.
             if kind == POLICY:
                 request = weights_pb2.FetchPolicyRequest(version=version, chunk_bytes=self.chunk_bytes)
-                call = stub.FetchPolicy(request, timeout=self.timeout_s)
+                call = stub.FetchPolicy(request, timeout=timeout)
             elif kind == ADAPTER:
                 request = weights_pb2.FetchAdapterRequest(version=version, chunk_bytes=self.chunk_bytes)
-                call = stub.FetchAdapter(request, timeout=self.timeout_s)
+                call = stub.FetchAdapter(request, timeout=timeout)
+            elif kind == POLICY_DELTA and version > 0 and base_version > 0:
+                request = weights_pb2.FetchPolicyDeltaRequest(
+                    version=version, base_version=base_version, chunk_bytes=self.chunk_bytes
+                )
+                call = stub.FetchPolicyDelta(request, timeout=timeout)
             else:
-                raise ValueError(f"unknown weight kind {kind!r}")
+                raise ValueError(f"unknown weight kind {kind!r} (or a delta without versions)")
             with self._lock:
                 self._calls.add(call)
                 if self._closed:
                     call.cancel()
             try:
-                manifest = _Download(tmp, version, what).run(call)
+                manifest = _Download(tmp, version, what, base_version).run(call)
             except grpc.RpcError as exc:
-                message = f"cannot fetch {what} from {self.address}: {exc.code().name} {exc.details()}"
+                message = f"cannot fetch {what} from {address}: {exc.code().name} {exc.details()}"
                 raise WeightsUnavailable(message, exc.code()) from None
             finally:
                 with self._lock:
@@ -124,8 +140,8 @@ class WeightFetcher:
 class _Download:
     """One fetch stream written into `folder`: the manifest, then each file's chunks in order."""
 
-    def __init__(self, folder: Path, version: int, what: str) -> None:
-        self.folder, self.version, self.what = folder, version, what
+    def __init__(self, folder: Path, version: int, what: str, base_version: int = 0) -> None:
+        self.folder, self.version, self.what, self.base_version = folder, version, what, base_version
         self.files: dict[str, weights_pb2.WeightFile] = {}
         self.written: dict[str, int] = {}
         self.hashes: dict[str, Any] = {}  # hashlib objects
@@ -165,6 +181,8 @@ class _Download:
             self.fail(f"the trainer sent version {manifest.version}")
         if manifest.version <= 0:
             self.fail(f"manifest version must be positive, got {manifest.version}")
+        if manifest.base_version != self.base_version:  # a delta against a version this generator does not hold
+            self.fail(f"a delta against v{manifest.base_version} arrived, this generator holds v{self.base_version}")
         if not manifest.files:
             self.fail("the manifest lists no files")
         for f in manifest.files:
@@ -293,9 +311,12 @@ class VersionSync:
         serving: Callable[[], EngineVersions],
         metrics: GeneratorMetrics | None = None,
         in_use: Callable[[], set[Path]] | None = None,
+        policy_source: PolicySource | None = None,
     ) -> None:
         self.fetcher, self.load, self.serving, self.metrics = fetcher, load, serving, metrics
         self.in_use = in_use
+        self.policy_source = policy_source  # None: policies come whole from the trainer, unchecked by digest
+        self._delta_folder: Path | None = None  # the delta the serving policy was built from (its relay serves it)
         # Every version offered and not yet passed: one that turns out unpublished must not hide the others.
         self._offered: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
         self._refused: dict[str, set[int]] = {POLICY: set(), ADAPTER: set()}
@@ -383,10 +404,17 @@ class VersionSync:
                     with self._cond:
                         self._refused[kind].add(version)
 
+    def _fetch(self, kind: str, version: int):
+        if kind != POLICY or self.policy_source is None:
+            return self.fetcher.fetch(kind, version), None
+        base = self._folders.get(POLICY)
+        got = self.policy_source.fetch(version, base, self.serving().policy_version if base else 0)
+        return got.fetched, got
+
     def _swap(self, kind: str, version: int) -> None:
         with self._swap_lock:
             try:
-                fetched = self.fetcher.fetch(kind, version)
+                fetched, got = self._fetch(kind, version)
             except WeightsUnavailable:
                 raise  # not a refusal: nothing was judged
             except WeightFetchError:
@@ -397,8 +425,20 @@ class VersionSync:
             except Exception:
                 self._count(kind, "refused")
                 shutil.rmtree(fetched.folder, ignore_errors=True)
+                if got is not None:
+                    self.policy_source.held.gave_up(fetched.version)
+                    if got.delta_folder is not None:
+                        shutil.rmtree(got.delta_folder, ignore_errors=True)
                 raise
             self._count(kind, "ok")
+            if got is not None:  # peers get it from here on, and the trainer hears so
+                self.policy_source.held.hold(fetched.version, fetched.folder, got.delta_folder, got.delta_base)
+                if self._delta_folder is not None and self._delta_folder != got.delta_folder:
+                    shutil.rmtree(self._delta_folder, ignore_errors=True)
+                self._delta_folder = got.delta_folder
+                if self.metrics is not None and got.published_unix_s:
+                    self.metrics.policy_sync_seconds.set(max(0.0, time.time() - got.published_unix_s))
+                self.policy_source.report_held(fetched.version)
             self._retry_backoff.reset()
             log.info("now serving %s v%d", kind, fetched.version)
             old = self._folders.get(kind)

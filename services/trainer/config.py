@@ -172,6 +172,18 @@ class WeightsConfig(ConfigSection):
     max_chunk_bytes: int = Field(
         4 << 20, ge=1 << 10, description="Largest chunk sent, whatever a fetch asks (below max_message_bytes)."
     )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Dtype versions are published in: the one the engines serve (auto: the model folder's config "
+        "dtype, bf16 for a Qwen3 checkpoint). The trainer's master weights stay fp32.",
+    )
+    deltas: bool = Field(
+        True, description="Also publish each version as a delta against the previous one (when under half its size)."
+    )
+    trainer_fanout: int = Field(
+        2, ge=1, description="Generators per version fetched from the trainer itself; later ones get a peer."
+    )
+    peer_fanout: int = Field(2, ge=1, description="Generators a relaying generator serves per version.")
 
 
 class DistillSection(ConfigSection):

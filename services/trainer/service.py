@@ -26,9 +26,12 @@ from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
+from services.trainer.policy_sources import SourcePlanner
+from services.trainer.policy_sync import PolicySyncStore, publish_policy
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.validate import Limits
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+from sparrow.weight_delta import SERVING_DTYPES, cast_state, checkpoint_dtype
 
 if TYPE_CHECKING:
     from services.api.sparrow.v1 import rollout_pb2
@@ -82,6 +85,10 @@ class TrainerService:
             group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
         self.state = resumed or TrainState(run_id=self._run_id())
         self.weights = WeightStore(self.run_dir, config.weights.keep)
+        self.sync = PolicySyncStore(self.run_dir, config.weights.deltas)
+        w = config.weights
+        self.serving_dtype = checkpoint_dtype(config.model_dir) if w.dtype == "auto" else w.dtype
+        self.planner = SourcePlanner(w.trainer_fanout, w.peer_fanout, keep=w.keep + 1)
         self._publish_start()
         if self.distill is not None:
             self.distill.publish_start(self.weights, self.state.policy_version, self.state.step)
@@ -193,8 +200,14 @@ class TrainerService:
 
     def publish(self, version: int) -> None:
         """Publish the current policy as `version` (every rank gathers; this one process writes)."""
-        state = gather_policy_state(self.model)
-        self.weights.publish(POLICY, version, lambda out: save_hf_policy(self.model, state, out, self.config.model_dir))
+        state = cast_state(gather_policy_state(self.model), SERVING_DTYPES[self.serving_dtype])
+        publish_policy(
+            self.weights,
+            self.sync,
+            version,
+            lambda out: save_hf_policy(self.model, state, out, self.config.model_dir),
+            self.serving_dtype,
+        )
         self.state.policy_version = version
         self.metrics.policy_version.set(version)
 
@@ -205,7 +218,15 @@ class TrainerService:
         c = self.config
         limits = Limits(self.model.config.vocab_size, c.sampling.top_logprobs, c.logprob_tolerance)
         self._server = build_grpc_server(
-            c, self.store, self.ledger, self.weights, limits, self.metrics, self.rewards.on_trajectory
+            c,
+            self.store,
+            self.ledger,
+            self.weights,
+            limits,
+            self.metrics,
+            self.rewards.on_trajectory,
+            sync=self.sync,
+            planner=self.planner,
         )
         self.grpc_port = self._server.bind(c.grpc.address)
         self._server.start()
@@ -329,18 +350,24 @@ def build_grpc_server(
     limits: Limits,
     metrics: TrainerMetrics,
     on_stored: Callable[[rollout_pb2.Trajectory, GroupRecord], None] | None = None,
+    sync: PolicySyncStore | None = None,
+    planner: SourcePlanner | None = None,
 ) -> AioServer:
     """The trainer's gRPC server (RolloutService, WeightService, health, reflection), not yet bound or started.
 
     One asyncio server: open trajectory streams and version watches hold no thread; past `grpc.max_calls`
-    open calls a new one is refused with RESOURCE_EXHAUSTED, and health is always answered.
+    open calls a new one is refused with RESOURCE_EXHAUSTED, and health is always answered. The
+    WeightService serves policy deltas from `sync` and policy sources from `planner` (by default the run
+    dir's sync store and a planner with the config's fan-outs).
     """
     from services.api.sparrow.v1 import rollout_pb2_grpc, weights_pb2_grpc
     from services.trainer.rollout_servicer import RolloutServicer
-    from services.trainer.weight_servicer import WeightServicer
+    from services.trainer.sync_servicer import TrainerWeightServicer
 
     c, w = config.grpc, config.weights
-    weight_servicer = WeightServicer(weights, w.default_chunk_bytes, w.max_chunk_bytes)
+    sync = sync if sync is not None else PolicySyncStore(config.run_dir, w.deltas)
+    planner = planner if planner is not None else SourcePlanner(w.trainer_fanout, w.peer_fanout, keep=w.keep + 1)
+    weight_servicer = TrainerWeightServicer(weights, w.default_chunk_bytes, w.max_chunk_bytes, sync, planner)
     rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics, on_stored)
     server = AioServer(
         config.security.grpc(),

@@ -91,6 +91,9 @@ class GeneratorExporter:
         m.trajectories.labels(status="accepted").inc()
         m.groups.labels(outcome="done").inc(step % 2)
         m.step_seconds.observe(0.05)
+        m.policy_fetch_bytes.labels(kind="delta", source="peer").inc(1 << 20)
+        m.policy_fetch_failures.labels(reason="unavailable").inc(step % 2)
+        m.policy_sync_seconds.set(1.5)
 
 
 class ControllerExporter:

@@ -21,6 +21,9 @@ NAMES = {
     "sparrow_generator_trajectories_total",
     "sparrow_generator_groups_total",
     "sparrow_generator_step_seconds_count",
+    "sparrow_generator_policy_fetch_bytes_total",
+    "sparrow_generator_policy_fetch_failures_total",
+    "sparrow_generator_policy_sync_seconds",
 }
 
 
@@ -40,7 +43,7 @@ def test_every_contract_name_is_exported_with_low_cardinality_labels():
     samples = _samples(m)
     assert NAMES <= {name for name, _ in samples}
     labels = {k for _, lbl in samples for k, _ in lbl}
-    assert labels <= {"mode", "bin", "kind", "outcome", "status", "le"}
+    assert labels <= {"mode", "bin", "kind", "outcome", "status", "le", "source", "reason"}
     assert samples[("sparrow_generator_swaps_total", (("kind", "adapter"), ("outcome", "refused")))] == 0
 
 

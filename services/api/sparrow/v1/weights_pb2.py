@@ -25,29 +25,35 @@ _sym_db = _symbol_database.Default()
 from services.api.sparrow.v1 import common_pb2 as sparrow_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sparrow/v1/weights.proto\x12\nsparrow.v1\x1a\x17sparrow/v1/common.proto\",\n\x14WatchVersionsRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\"=\n\x15WatchVersionsResponse\x12$\n\x06latest\x18\x01 \x01(\x0b\x32\x14.sparrow.v1.Versions\":\n\x12\x46\x65tchPolicyRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\";\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\">\n\nWeightFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"x\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.sparrow.v1.WeightFile\x12\x11\n\tlora_rank\x18\x03 \x01(\x05\x12\x1b\n\x13lora_target_modules\x18\x04 \x03(\t\"m\n\x0bWeightChunk\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.sparrow.v1.WeightManifestH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.sparrow.v1.FileChunkH\x00\x42\x06\n\x04item\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xfd\x01\n\rWeightService\x12V\n\rWatchVersions\x12 .sparrow.v1.WatchVersionsRequest\x1a!.sparrow.v1.WatchVersionsResponse0\x01\x12H\n\x0b\x46\x65tchPolicy\x12\x1e.sparrow.v1.FetchPolicyRequest\x1a\x17.sparrow.v1.WeightChunk0\x01\x12J\n\x0c\x46\x65tchAdapter\x12\x1f.sparrow.v1.FetchAdapterRequest\x1a\x17.sparrow.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sparrow/v1/weights.proto\x12\nsparrow.v1\x1a\x17sparrow/v1/common.proto\"U\n\x17\x46\x65tchPolicyDeltaRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x05\"\x84\x01\n\x16GetPolicySourceRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0cheld_version\x18\x03 \x01(\x03\x12\x15\n\rrelay_address\x18\x04 \x01(\t\x12\x16\n\x0e\x66\x61iled_sources\x18\x05 \x03(\t\"\x8e\x01\n\x17GetPolicySourceResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x15\n\rresult_sha256\x18\x02 \x01(\t\x12\x1a\n\x12\x64\x65lta_base_version\x18\x03 \x01(\x03\x12\x0f\n\x07sources\x18\x04 \x03(\t\x12\x1e\n\x16published_unix_seconds\x18\x05 \x01(\x01\",\n\x14WatchVersionsRequest\x12\x14\n\x0cgenerator_id\x18\x01 \x01(\t\"=\n\x15WatchVersionsResponse\x12$\n\x06latest\x18\x01 \x01(\x0b\x32\x14.sparrow.v1.Versions\":\n\x12\x46\x65tchPolicyRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\";\n\x13\x46\x65tchAdapterRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x05\">\n\nWeightFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\x8e\x01\n\x0eWeightManifest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12%\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x16.sparrow.v1.WeightFile\x12\x11\n\tlora_rank\x18\x03 \x01(\x05\x12\x1b\n\x13lora_target_modules\x18\x04 \x03(\t\x12\x14\n\x0c\x62\x61se_version\x18\x05 \x01(\x03\"m\n\x0bWeightChunk\x12.\n\x08manifest\x18\x01 \x01(\x0b\x32\x1a.sparrow.v1.WeightManifestH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.sparrow.v1.FileChunkH\x00\x42\x06\n\x04item\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x32\xad\x03\n\rWeightService\x12V\n\rWatchVersions\x12 .sparrow.v1.WatchVersionsRequest\x1a!.sparrow.v1.WatchVersionsResponse0\x01\x12H\n\x0b\x46\x65tchPolicy\x12\x1e.sparrow.v1.FetchPolicyRequest\x1a\x17.sparrow.v1.WeightChunk0\x01\x12J\n\x0c\x46\x65tchAdapter\x12\x1f.sparrow.v1.FetchAdapterRequest\x1a\x17.sparrow.v1.WeightChunk0\x01\x12R\n\x10\x46\x65tchPolicyDelta\x12#.sparrow.v1.FetchPolicyDeltaRequest\x1a\x17.sparrow.v1.WeightChunk0\x01\x12Z\n\x0fGetPolicySource\x12\".sparrow.v1.GetPolicySourceRequest\x1a#.sparrow.v1.GetPolicySourceResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sparrow.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WATCHVERSIONSREQUEST']._serialized_start=65
-  _globals['_WATCHVERSIONSREQUEST']._serialized_end=109
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=111
-  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=172
-  _globals['_FETCHPOLICYREQUEST']._serialized_start=174
-  _globals['_FETCHPOLICYREQUEST']._serialized_end=232
-  _globals['_FETCHADAPTERREQUEST']._serialized_start=234
-  _globals['_FETCHADAPTERREQUEST']._serialized_end=293
-  _globals['_WEIGHTFILE']._serialized_start=295
-  _globals['_WEIGHTFILE']._serialized_end=357
-  _globals['_WEIGHTMANIFEST']._serialized_start=359
-  _globals['_WEIGHTMANIFEST']._serialized_end=479
-  _globals['_WEIGHTCHUNK']._serialized_start=481
-  _globals['_WEIGHTCHUNK']._serialized_end=590
-  _globals['_FILECHUNK']._serialized_start=592
-  _globals['_FILECHUNK']._serialized_end=647
-  _globals['_WEIGHTSERVICE']._serialized_start=650
-  _globals['_WEIGHTSERVICE']._serialized_end=903
+  _globals['_FETCHPOLICYDELTAREQUEST']._serialized_start=65
+  _globals['_FETCHPOLICYDELTAREQUEST']._serialized_end=150
+  _globals['_GETPOLICYSOURCEREQUEST']._serialized_start=153
+  _globals['_GETPOLICYSOURCEREQUEST']._serialized_end=285
+  _globals['_GETPOLICYSOURCERESPONSE']._serialized_start=288
+  _globals['_GETPOLICYSOURCERESPONSE']._serialized_end=430
+  _globals['_WATCHVERSIONSREQUEST']._serialized_start=432
+  _globals['_WATCHVERSIONSREQUEST']._serialized_end=476
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_start=478
+  _globals['_WATCHVERSIONSRESPONSE']._serialized_end=539
+  _globals['_FETCHPOLICYREQUEST']._serialized_start=541
+  _globals['_FETCHPOLICYREQUEST']._serialized_end=599
+  _globals['_FETCHADAPTERREQUEST']._serialized_start=601
+  _globals['_FETCHADAPTERREQUEST']._serialized_end=660
+  _globals['_WEIGHTFILE']._serialized_start=662
+  _globals['_WEIGHTFILE']._serialized_end=724
+  _globals['_WEIGHTMANIFEST']._serialized_start=727
+  _globals['_WEIGHTMANIFEST']._serialized_end=869
+  _globals['_WEIGHTCHUNK']._serialized_start=871
+  _globals['_WEIGHTCHUNK']._serialized_end=980
+  _globals['_FILECHUNK']._serialized_start=982
+  _globals['_FILECHUNK']._serialized_end=1037
+  _globals['_WEIGHTSERVICE']._serialized_start=1040
+  _globals['_WEIGHTSERVICE']._serialized_end=1469
 # @@protoc_insertion_point(module_scope)

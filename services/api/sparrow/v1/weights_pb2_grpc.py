@@ -50,6 +50,16 @@ class WeightServiceStub:
                 request_serializer=sparrow_dot_v1_dot_weights__pb2.FetchAdapterRequest.SerializeToString,
                 response_deserializer=sparrow_dot_v1_dot_weights__pb2.WeightChunk.FromString,
                 _registered_method=True)
+        self.FetchPolicyDelta = channel.unary_stream(
+                '/sparrow.v1.WeightService/FetchPolicyDelta',
+                request_serializer=sparrow_dot_v1_dot_weights__pb2.FetchPolicyDeltaRequest.SerializeToString,
+                response_deserializer=sparrow_dot_v1_dot_weights__pb2.WeightChunk.FromString,
+                _registered_method=True)
+        self.GetPolicySource = channel.unary_unary(
+                '/sparrow.v1.WeightService/GetPolicySource',
+                request_serializer=sparrow_dot_v1_dot_weights__pb2.GetPolicySourceRequest.SerializeToString,
+                response_deserializer=sparrow_dot_v1_dot_weights__pb2.GetPolicySourceResponse.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -77,6 +87,22 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchPolicyDelta(self, request, context):
+        """The delta turning `base_version` into `version` (one delta file), for a caller that holds the base.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPolicySource(self, request, context):
+        """Trainer only: where to fetch a policy version from, and the digest its tensors must have. A generator
+        relaying peers (it serves FetchPolicy and FetchPolicyDelta of the version it holds, read-only) also
+        reports here each version it holds (held_version >= version: a report, answered with no sources).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +120,16 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.FetchAdapter,
                     request_deserializer=sparrow_dot_v1_dot_weights__pb2.FetchAdapterRequest.FromString,
                     response_serializer=sparrow_dot_v1_dot_weights__pb2.WeightChunk.SerializeToString,
+            ),
+            'FetchPolicyDelta': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchPolicyDelta,
+                    request_deserializer=sparrow_dot_v1_dot_weights__pb2.FetchPolicyDeltaRequest.FromString,
+                    response_serializer=sparrow_dot_v1_dot_weights__pb2.WeightChunk.SerializeToString,
+            ),
+            'GetPolicySource': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPolicySource,
+                    request_deserializer=sparrow_dot_v1_dot_weights__pb2.GetPolicySourceRequest.FromString,
+                    response_serializer=sparrow_dot_v1_dot_weights__pb2.GetPolicySourceResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -178,6 +214,60 @@ class WeightService:
             '/sparrow.v1.WeightService/FetchAdapter',
             sparrow_dot_v1_dot_weights__pb2.FetchAdapterRequest.SerializeToString,
             sparrow_dot_v1_dot_weights__pb2.WeightChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchPolicyDelta(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sparrow.v1.WeightService/FetchPolicyDelta',
+            sparrow_dot_v1_dot_weights__pb2.FetchPolicyDeltaRequest.SerializeToString,
+            sparrow_dot_v1_dot_weights__pb2.WeightChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPolicySource(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sparrow.v1.WeightService/GetPolicySource',
+            sparrow_dot_v1_dot_weights__pb2.GetPolicySourceRequest.SerializeToString,
+            sparrow_dot_v1_dot_weights__pb2.GetPolicySourceResponse.FromString,
             options,
             channel_credentials,
             insecure,
