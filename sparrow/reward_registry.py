@@ -29,6 +29,9 @@ REWARDS: dict[str, str] = {
     "chain": "sparrow.rewards:chain_score",
     "boxed": "sparrow.rewards:boxed_score",
     "math": "sparrow.rewards_math:math_verify_score",
+    # Runs the response's code in the sandbox service (services/sandbox/); imported by name in the reward
+    # workers only, so the core never loads the HTTP client.
+    "code": "services.sandbox.reward:code_score",
 }
 DEFAULT_REWARD = "math"
 

@@ -2,9 +2,8 @@
 
 The dry run is a list of named checks, run in order; each reads the config (and what the checks before
 it found), returns one line saying what it found, and raises SetupError or ConfigError (one line) on the
-first problem. A new kind of input gets one more `Check` in `CHECKS`, placed after what it depends on:
-a check of the trainer's dataset files or reward functions would read `ctx.children.trainer` (after
-"services") and skip itself when that config has no such keys.
+first problem. A new kind of input gets one more `Check` in `CHECKS`, placed after what it depends on
+(the "data" check reads the trainer's resolved config, so it comes after "services").
 """
 
 from __future__ import annotations
@@ -137,6 +136,20 @@ def check_services(ctx: DryRun) -> str:
     return "configs valid: " + ", ".join(names)
 
 
+def check_data(ctx: DryRun) -> str:
+    """The trainer's datasets and rewards, loaded, templated, filtered and imported as the trainer will."""
+    from services.trainer.training_data import DataInputError, build_training_data, describe
+    from trainer.model_io import ModelLoadError, load_tokenizer
+
+    if ctx.build_model:
+        return "the chain task's rows, made with the model built at start"
+    try:
+        data = build_training_data(ctx.children.trainer, load_tokenizer(ctx.model_dir), ctx.model_dir)
+    except (DataInputError, ModelLoadError) as exc:
+        raise SetupError(str(exc)) from None
+    return "; ".join(describe(data))
+
+
 def check_devices(ctx: DryRun) -> str:
     import torch  # loaded already by the model check
 
@@ -175,6 +188,7 @@ CHECKS: list[Check] = [
     Check("cost model", check_cost_model),
     Check("ports", check_ports),
     Check("services", check_services),
+    Check("data", check_data),
     Check("devices", check_devices),
     Check("tracking", check_tracking),
 ]

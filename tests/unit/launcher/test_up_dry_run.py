@@ -148,3 +148,36 @@ def test_a_sharded_bf16_checkpoint_passes_and_a_missing_shard_is_named(tmp_path)
     shard.unlink()
     with pytest.raises(DryRunError, match=rf"^model: model folder .*: missing weight shard {shard.name}"):
         dry_run(_up(model_dir=str(sharded)), tmp_path / "run")
+
+
+def test_the_data_check_counts_a_users_rows_and_names_the_rewards(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"question": f"what is {i} + {i}?", "answer": str(2 * i)} for i in range(5)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    sets = {"trainer.data.prompt_key": "question", "trainer.data.answer_key": "answer",
+            "trainer.data.chat_template": "none", "trainer.reward.name": "boxed"}  # fmt: skip
+    ctx = dry_run(_up(set={"trainer.data.train_files": [str(data)], **sets}), tmp_path / "run")
+    detail = next(r["detail"] for r in ctx.results if r["check"] == "data")
+    assert "train source" in detail and "5 prompts" in detail, detail
+    assert "-> boxed" in detail, detail
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({"trainer.data.train_files": ["no-such.jsonl"]}, "no-such.jsonl"),
+        ({"trainer.reward.name": "no_such_reward"}, "unknown reward 'no_such_reward'"),
+    ],
+)
+def test_a_missing_dataset_or_an_unknown_reward_fails_the_data_check(tmp_path, extra, message):
+    with pytest.raises(DryRunError) as err:
+        dry_run(_up(set=extra), tmp_path / "run")
+    assert str(err.value).startswith("data: ") and message in str(err.value), err.value
+    assert "\n" not in str(err.value)
+
+
+def test_the_code_reward_is_a_built_in_name():
+    from services.sandbox.reward import code_score
+    from sparrow.reward_registry import resolve_reward
+
+    assert resolve_reward("code") is code_score
