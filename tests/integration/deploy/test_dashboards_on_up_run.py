@@ -30,6 +30,9 @@ QUIET_IN_A_HEALTHY_RUN = {
     "refused": "no swap is refused in a healthy run",
     "rejected": "the trainer rejects nothing in a healthy run",
     "adapter": "DistillSparse is off by default: no adapter is ever loaded",
+    "policy_fetch_failures": "no policy fetch fails in a healthy run",
+    # This run has no held-out set; test_trainer_eval.py checks the gauges and test_dashboards_live.py the panels.
+    "sparrow_trainer_eval_": "no evaluation runs without a held-out set (eval_files)",
 }
 
 

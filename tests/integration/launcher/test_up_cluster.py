@@ -121,6 +121,10 @@ def _one_step_windows(prometheus: str, seen: set[float]) -> list[tuple[dict, dic
         window = round((t1 - t0) * 1000) + 1
         estimated = _by_bin(_query(prometheus, PROMQL.format(window=window), t1))
         exact = _by_bin(_query(prometheus, mc.ALPHA_P5_GAUGE, t1))
+        # A bin whose first tokens came in this step has no histogram series before t1, and rate() needs two
+        # samples: PromQL has no estimate for it yet (it has from the next step on), so it is left out here.
+        existed = _by_bin(_query(prometheus, f"{mc.ALPHA_HISTOGRAM}_count", t0))
+        exact = {b: v for b, v in exact.items() if b in existed or b in estimated}
         counts = _bucket_counts(prometheus, t0, t1)
         for b, tokens in step_tokens.items():
             grew = counts.get(b, [(math.inf, 0.0)])[-1]
