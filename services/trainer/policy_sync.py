@@ -103,7 +103,11 @@ class PolicySyncStore:
             tmp = self.root / f".tmp-v{version:08d}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            stats = write_delta(base, folder, tmp / DELTA_FILE, base_version, version, digest)
+            try:
+                stats = write_delta(base, folder, tmp / DELTA_FILE, base_version, version, digest)
+            except Exception as exc:  # noqa: BLE001 -- a damaged base on disk costs the delta, never the publish
+                log.warning("policy v%d: no delta, base v%d unreadable (%s)", version, base_version, exc)
+                stats = None
             if stats is not None and stats.delta_bytes < DELTA_KEPT_BELOW * full:
                 tmp.rename(final)
                 delta_base, delta_bytes = base_version, stats.delta_bytes
