@@ -25,8 +25,9 @@ from pathlib import Path
 log = logging.getLogger("sparrow.up.cluster")
 
 PROCESSES_FILE = "processes.json"
-# Stop order: lower first, equal ones together. Generators hand work back through Redis, so Redis goes last.
-STOP_ORDER = {"generator": 0, "controller": 0, "trainer": 1, "monitor": 2, "store": 3}
+# Stop order: lower first, equal ones together. Generators hand work back through Redis, so Redis goes last;
+# the sandbox outlives the trainer, whose last rewards may still be running.
+STOP_ORDER = {"generator": 0, "controller": 0, "trainer": 1, "sandbox": 2, "monitor": 2, "store": 3}
 
 
 class StartError(RuntimeError):
@@ -38,7 +39,7 @@ class ServiceSpec:
     """How to run one service and how to tell that it is ready."""
 
     name: str
-    role: str  # store, monitor, trainer, generator, controller (decides the stop order)
+    role: str  # store, monitor, sandbox, trainer, generator, controller (decides the stop order)
     argv: list[str]
     log: Path
     ready: Callable[[], bool]
@@ -57,6 +58,7 @@ class Child:
     ready: bool = False
     stopping: bool = False
     reported: bool = False  # its exit has been handed to the caller
+    restarts: int = 0  # times it was started again after it exited
 
     @property
     def name(self) -> str:
@@ -120,6 +122,33 @@ class Cluster:
         log.info("started %s (pid %d), log %s", spec.name, process.pid, spec.log)
         self._write()
         return child
+
+    def restart(self, name: str) -> Child:
+        """Start the exited child `name` again from its spec (not waiting for health); its log goes on."""
+        old = self.children.pop(name)
+        if old.returncode is None:
+            self.children[name] = old
+            raise ValueError(f"service {name} is still running")
+        try:
+            child = self.start(old.spec)
+        except BaseException:
+            self.children[name] = old
+            raise
+        child.restarts = old.restarts + 1
+        self._write()
+        return child
+
+    def poll_ready(self) -> list[Child]:
+        """Children (restarted ones) that turned healthy since the last look; never waits."""
+        out = []
+        for child in self.children.values():
+            if not child.ready and child.returncode is None and child.spec.ready():
+                child.ready = True
+                log.info("%s is ready (%.1f s)", child.name, time.monotonic() - child.started)
+                out.append(child)
+        if out:
+            self._write()
+        return out
 
     def wait_ready(self, timeout_s: float, poll_s: float = 0.25, go_on: Callable[[], None] = lambda: None) -> None:
         """Block until every child is healthy; StartError when one exits first or `timeout_s` passes.
@@ -194,6 +223,7 @@ class Cluster:
                 "log": str(c.spec.log),
                 "ports": c.spec.ports,
                 "ready": c.ready,
+                "restarts": c.restarts,
                 "returncode": c.process.returncode,
             }
             for c in self.children.values()

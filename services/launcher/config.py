@@ -2,7 +2,7 @@
 
 The launcher resolves one config per child process from three layers: the service's own
 defaults, the launcher's defaults for a local run (`services/launcher/services.py`), then the
-`[trainer]`, `[generator]` and `[controller]` tables here (keys exactly as in the service's own
+`[trainer]`, `[generator]`, `[controller]` and `[sandbox]` tables here (keys exactly as in the service's own
 TOML file). What wires the cluster together (ports, addresses, run folders, the model, the step
 count) is the launcher's alone; setting it in a table is an error that names the field to use.
 """
@@ -38,6 +38,7 @@ class PortsConfig(ConfigSection):
         0, ge=0, le=65535, description="The first generator's GeneratorControl gRPC; generator i uses this + i."
     )
     controller: int = Field(0, ge=0, le=65535, description="The controller's admin API and /metrics.")
+    sandbox: int = Field(0, ge=0, le=65535, description="The code sandbox's API and /metrics (when it is started).")
 
 
 class TimeoutsConfig(ConfigSection):
@@ -84,6 +85,17 @@ class UpConfig(SparrowConfig):
     prometheus_url: str = Field(
         "", description="Use this Prometheus instead of starting one (it must scrape the services itself)."
     )
+    with_sandbox: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="Start the code sandbox as a child: auto when a reward of the run is `code`, always (a reward "
+        "of your own that calls it, through CODE_SANDBOX_URL), never. sandbox_url set: never started.",
+    )
+    sandbox_url: str = Field(
+        "", description="Use this sandbox service instead of starting one (its token: CODE_SANDBOX_TOKEN)."
+    )
+    sandbox_restarts: int = Field(
+        5, ge=0, description="A started sandbox that exits is restarted this many times at most; one exit more fails."
+    )
     scrape_interval_s: float = Field(1.0, ge=0.05, description="Scrape interval of the Prometheus the launcher starts.")
     promql_window_s: float = Field(
         30.0, gt=0, description="Range of rate(...) in the PromQL p5 the launcher records beside the exact one."
@@ -101,6 +113,9 @@ class UpConfig(SparrowConfig):
     )
     controller: dict[str, Any] = Field(
         default_factory=dict, description="Overrides of the controller's config (controller.toml keys)."
+    )
+    sandbox: dict[str, Any] = Field(
+        default_factory=dict, description="Overrides of the started sandbox's config (sandbox.toml keys)."
     )
 
     @property
@@ -120,9 +135,16 @@ class UpConfig(SparrowConfig):
 
 
 def service_schemas() -> dict[str, type]:
-    """The schema of each service table ([trainer], [generator], [controller]): what `--set trainer.x=v` is typed by."""
+    """The schema of each service table ([trainer], [generator], [controller], [sandbox]), by which
+    `--set trainer.x=v` is typed."""
     from services.controller.config import ControllerConfig
     from services.generator.config import GeneratorConfig
+    from services.sandbox.config import SandboxConfig
     from services.trainer.config import TrainerServiceConfig
 
-    return {"trainer": TrainerServiceConfig, "generator": GeneratorConfig, "controller": ControllerConfig}
+    return {
+        "trainer": TrainerServiceConfig,
+        "generator": GeneratorConfig,
+        "controller": ControllerConfig,
+        "sandbox": SandboxConfig,
+    }

@@ -17,6 +17,7 @@ from pathlib import Path
 from services.launcher.config import UpConfig
 from services.launcher.plan import SetupError, default_run_dir, load_schedule, model_folder, require_fresh_run_dir
 from services.launcher.ports import HOST, PortError, Ports, allocate
+from services.launcher.sandbox import SandboxSetupError, configured_rewards, plan_sandbox
 from services.launcher.services import ChildConfigs, resolve
 from sparrow.schedule import Schedule
 
@@ -33,6 +34,8 @@ class DryRun:
     schedule_file: Path | None = None
     ports: Ports | None = None
     children: ChildConfigs | None = None
+    rewards: set[str] = field(default_factory=set)  # reward names the trainer will use
+    sandbox_url: str = ""
     results: list[dict] = field(default_factory=list)  # {"check", "ok", "detail"} in order
 
 
@@ -141,13 +144,25 @@ def check_data(ctx: DryRun) -> str:
     from services.trainer.training_data import DataInputError, build_training_data, describe
     from trainer.model_io import ModelLoadError, load_tokenizer
 
+    ctx.rewards = configured_rewards(ctx.children)
     if ctx.build_model:
         return "the chain task's rows, made with the model built at start"
     try:
         data = build_training_data(ctx.children.trainer, load_tokenizer(ctx.model_dir), ctx.model_dir)
     except (DataInputError, ModelLoadError) as exc:
         raise SetupError(str(exc)) from None
+    ctx.rewards |= set(data.rewards.values())
     return "; ".join(describe(data))
+
+
+def check_sandbox(ctx: DryRun) -> str:
+    """Whether the run starts the code sandbox (its rewards say), its config, and that its jail runs here."""
+    try:
+        plan = plan_sandbox(ctx.up, ctx.children, ctx.ports, ctx.rewards)
+    except SandboxSetupError as exc:
+        raise SetupError(str(exc)) from None
+    ctx.children, ctx.ports, ctx.sandbox_url = plan.children, plan.ports, plan.url
+    return plan.describe() + "".join(f"; warning: {w}" for w in plan.warnings)
 
 
 def check_devices(ctx: DryRun) -> str:
@@ -189,6 +204,7 @@ CHECKS: list[Check] = [
     Check("ports", check_ports),
     Check("services", check_services),
     Check("data", check_data),
+    Check("sandbox", check_sandbox),
     Check("devices", check_devices),
     Check("tracking", check_tracking),
 ]
@@ -241,6 +257,8 @@ def processes(ctx: DryRun) -> list[dict]:
         rows.append({"process": g.generator_id, "role": "generator", "ports": ports, "device": devices[g.generator_id]})
     if c.controller is not None:
         rows.append({"process": "controller", "role": "controller", "ports": {"api": p.controller}, "device": "-"})
+    if c.sandbox is not None:
+        rows.append({"process": "sandbox", "role": "sandbox", "ports": {"api": p.sandbox}, "device": "cpu"})
     ports = {"grpc": p.trainer_grpc, "metrics": p.trainer_metrics}
     rows.append({"process": "trainer", "role": "trainer", "ports": ports, "device": c.trainer.device})
     if ctx.build_model:

@@ -1,8 +1,8 @@
 """The run folder and the services of one run: everything decided and written before a process starts.
 
 RUN_DIR/config.toml              the resolved `sparrow up` config
-RUN_DIR/services/*.toml          each child's whole config (what it runs with)
-RUN_DIR/prometheus/prometheus.yml  scrape jobs for the trainer, the generators and the controller
+RUN_DIR/services/*.toml          each child's whole config (what it runs with; sandbox.toml when it is started)
+RUN_DIR/prometheus/prometheus.yml  scrape jobs for the trainer, the generators, the controller and the sandbox
 RUN_DIR/logs/<service>.log       one log per child
 RUN_DIR/trainer/                 the trainer's store, ledger, checkpoints, policies, steps.jsonl
 """
@@ -24,6 +24,13 @@ from services.launcher import health
 from services.launcher.cluster import ServiceSpec
 from services.launcher.config import DEFAULT_SCHEDULE, UpConfig
 from services.launcher.ports import HOST, Ports, allocate
+from services.launcher.sandbox import (
+    SandboxSetupError,
+    configured_rewards,
+    plan_sandbox,
+    sandbox_environment,
+    trainer_environment,
+)
 from services.launcher.services import (
     ChildConfigs,
     child_environment,
@@ -58,6 +65,9 @@ class RunPlan:
     prometheus_url: str
     redis_url: str
     config_files: dict[str, str]  # file name under RUN_DIR/services -> its TOML text
+    sandbox_url: str = ""  # the code sandbox the trainer's code reward calls ("" when none)
+    sandbox_token: str = ""  # the started sandbox's token (a random one per run)
+    warnings: tuple[str, ...] = ()  # shown at the start of the run (an unjailed sandbox)
 
     def services(self) -> list[ServiceSpec]:
         """Every child service of the run, in start order."""
@@ -105,14 +115,15 @@ def require_fresh_run_dir(run_dir: Path) -> None:
         raise SetupError(f"run folder {run_dir} exists and is not empty; choose another --run-dir")
 
 
-def check_training_data(trainer: TrainerServiceConfig, model_dir: Path) -> None:
+def check_training_data(trainer: TrainerServiceConfig, model_dir: Path) -> set[str]:
     """Load, template and check the trainer's datasets and rewards as it will: SetupError (one line) now,
-    before any service starts, rather than a trainer that exits after Redis and the generators are up."""
+    before any service starts, rather than a trainer that exits after Redis and the generators are up.
+    Returns the reward names its sources use."""
     from services.trainer.training_data import DataInputError, build_training_data
     from trainer.model_io import ModelLoadError, load_tokenizer
 
     try:
-        build_training_data(trainer, load_tokenizer(model_dir), model_dir)
+        return set(build_training_data(trainer, load_tokenizer(model_dir), model_dir).rewards.values())
     except (DataInputError, ModelLoadError) as exc:
         raise SetupError(str(exc)) from None
 
@@ -142,17 +153,40 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     except ValueError as exc:
         raise SetupError(str(exc)) from None
     children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
+    rewards = configured_rewards(children)
     if not build:  # the own model is built at start; its chain rows need no check
-        check_training_data(children.trainer, model_dir)
+        rewards |= check_training_data(children.trainer, model_dir)
+    try:
+        sandbox = plan_sandbox(up, children, ports, rewards)
+    except SandboxSetupError as exc:
+        raise SetupError(str(exc)) from None
+    children, ports = sandbox.children, sandbox.ports
     note = "Written by sparrow up for this run; the service token comes from the environment."
     files = {"trainer.toml": config_text(children.trainer, "trainer", note)}
     files.update({f"{g.generator_id}.toml": config_text(g, "generator", note) for g in children.generators})
     if children.controller is not None:
         files["controller.toml"] = config_text(children.controller, "controller", note)
+    if children.sandbox is not None:
+        files["sandbox.toml"] = config_text(children.sandbox, "sandbox", note)
     token = up.cluster_token() or secrets.token_urlsafe(24)
     redis_url = up.redis_url or f"redis://{HOST}:{ports.redis}/0"
     prom = prometheus_url(up, ports)
-    return RunPlan(up, run_dir, model_dir, build, schedule, ports, children, token, prom, redis_url, files)
+    return RunPlan(
+        up,
+        run_dir,
+        model_dir,
+        build,
+        schedule,
+        ports,
+        children,
+        token,
+        prom,
+        redis_url,
+        files,
+        sandbox.url,
+        secrets.token_urlsafe(24) if children.sandbox is not None else "",
+        sandbox.warnings,
+    )
 
 
 def write_run_files(plan: RunPlan) -> None:
@@ -218,7 +252,22 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
         ]
         ready = health.http_ok(f"{plan.prometheus_url}/-/ready")
         specs.append(ServiceSpec("prometheus", "monitor", argv, logs / "prometheus.log", ready, ports={"port": port}))
+    if plan.children.sandbox is not None:
+        port = plan.ports.sandbox
+        specs.append(
+            ServiceSpec(
+                "sandbox",
+                "sandbox",
+                _sparrow("sandbox", cfg / "sandbox.toml"),
+                logs / "sandbox.log",
+                health.http_ok(f"{plan.sandbox_url}/readyz"),
+                sandbox_environment(base, plan.sandbox_token),
+                ports={"api": port},
+            )
+        )
     env = child_environment(base, TrainerServiceConfig, {"SPARROW_SECURITY__TOKEN": plan.token})
+    # The code reward's sandbox; an external one's token is the user's CODE_SANDBOX_TOKEN, passed through.
+    env.update(trainer_environment(plan.sandbox_url, plan.sandbox_token))
     ready = health.all_of(
         health.grpc_serving(f"{HOST}:{plan.ports.trainer_grpc}", "sparrow.v1.RolloutService"),
         health.http_ok(f"http://{HOST}:{plan.ports.trainer_metrics}/metrics"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from services.launcher.config import UpConfig
 
@@ -25,6 +25,7 @@ class Ports:
     generator_metrics: tuple[int, ...]
     generator_control: tuple[int, ...]
     controller: int
+    sandbox: int = 0  # 0: the run starts no sandbox
 
     def metrics_targets(self, with_controller: bool) -> dict[str, list[str]]:
         """Prometheus scrape jobs: host:port lists per service."""
@@ -34,6 +35,8 @@ class Ports:
         }
         if with_controller:
             jobs["controller"] = [f"{HOST}:{self.controller}"]
+        if self.sandbox:
+            jobs["sandbox"] = [f"{HOST}:{self.sandbox}"]
         return jobs
 
 
@@ -100,3 +103,20 @@ def allocate(config: UpConfig) -> Ports:
         generator_control=tuple(chosen[f"generator_control (gen-{i})"] for i in range(n)),
         controller=chosen.get("controller", 0),
     )
+
+
+def with_sandbox_port(ports: Ports, fixed: int) -> Ports:
+    """`ports` plus the sandbox's: `fixed` checked as `allocate` checks its ports, or a free one.
+
+    Apart from `allocate` because whether a run starts the sandbox is known only once its rewards are
+    (the datasets' data_source columns can choose the `code` reward)."""
+    taken = {p for p in (ports.redis, ports.prometheus, ports.trainer_grpc, ports.trainer_metrics, ports.controller)}
+    taken |= set(ports.generator_metrics) | set(ports.generator_control)
+    taken.discard(0)
+    if not fixed:
+        return replace(ports, sandbox=_free_port(taken))
+    if fixed in taken:
+        raise PortError(f"port {fixed} is configured for both the sandbox and another service of the run")
+    if port_in_use(fixed):
+        raise PortError(f"port {fixed} (sandbox) is in use; free it or choose another in [ports]")
+    return replace(ports, sandbox=fixed)

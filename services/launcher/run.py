@@ -1,12 +1,14 @@
 """One `sparrow up` run, start to end: plan, start, supervise, stop, account, report.
 
 Bad input is found by `make_plan` before anything starts. Then Redis and Prometheus start, then
-the generators and the controller, then the trainer, each phase healthy before the next (see
-`UpRun.start`). The run ends when the trainer exits after its last step; a Ctrl-C (or SIGTERM),
-a service that fails, or a run with no step for `timeouts.step_s` ends it early. A generator that
-exits is reported and the run goes on with the others (its claimed groups are reclaimed); only
-when none is left does the run fail. Whatever the end, every child is stopped, the work ledger is
-read from Redis before Redis stops, and the report is written from the history.
+the generators, the controller and the code sandbox, then the trainer, each phase healthy before
+the next (see `UpRun.start`). The run ends when the trainer exits after its last step; a Ctrl-C (or
+SIGTERM), a service that fails, or a run with no step for `timeouts.step_s` ends it early. A
+generator that exits is reported and the run goes on with the others (its claimed groups are
+reclaimed); only when none is left does the run fail. A sandbox that exits is started again (up to
+`sandbox_restarts` times, after 0, 1, 2, 4, 8 s): the rewards that need it wait and retry meanwhile.
+Whatever the end, every child is stopped, the work ledger is read from Redis before Redis stops, and
+the report is written from the history.
 """
 
 from __future__ import annotations
@@ -151,6 +153,7 @@ class UpRun:
         self.started = time.monotonic()
         self._redis = None
         self.trackers = Trackers([])
+        self._restart_due: dict[str, float] = {}  # exited children to start again, and when
 
     def redis(self):
         if self._redis is None:
@@ -168,7 +171,10 @@ class UpRun:
         timeout = self.plan.up.timeouts.start_s
         specs = self.plan.services()
         self.progress.event(f"starting {', '.join(s.name for s in specs)}; logs in {self.plan.run_dir / 'logs'}")
-        for phase in (("store", "monitor"), ("generator", "controller"), ("trainer",)):
+        for warning in self.plan.warnings:
+            log.warning("%s", warning)
+            self.progress.event(f"warning: {warning}")
+        for phase in (("store", "monitor"), ("generator", "controller", "sandbox"), ("trainer",)):
             for spec in specs:
                 if spec.role in phase:
                     # Not inside the start: a child started but not yet recorded would be left running.
@@ -202,6 +208,7 @@ class UpRun:
             self.interrupts.check()
             if self._take_rows():
                 last_step = time.monotonic()
+            self._restart_due_children()
             for child in self.cluster.exited():
                 code = child.returncode
                 self.exits.append({"name": child.name, "exit": describe_exit(code)})
@@ -218,10 +225,35 @@ class UpRun:
                     if left == 0:
                         raise RunError(f"every generator has exited; the last:\n{child.log_tail()}")
                     continue
+                if child.spec.role == "sandbox":
+                    self._schedule_restart(child, code)
+                    continue
                 raise RunError(f"{child.name} exited ({describe_exit(code)}):\n{child.log_tail()}")
             if time.monotonic() - last_step > up.timeouts.step_s:
                 raise RunError(f"no training step finished in {up.timeouts.step_s:.0f} s; see the logs")
             time.sleep(up.timeouts.poll_s)
+
+    def _schedule_restart(self, child, code: int) -> None:
+        limit = self.plan.up.sandbox_restarts
+        if child.restarts >= limit:
+            raise RunError(
+                f"{child.name} exited ({describe_exit(code)}) after {child.restarts} restart(s):\n{child.log_tail()}"
+            )
+        delay = 0.0 if child.restarts == 0 else float(min(2 ** (child.restarts - 1), 8))
+        message = f"{child.name} exited ({describe_exit(code)}); restarting it in {delay:.0f} s"
+        message += f" ({child.restarts + 1} of {limit}); its rewards wait"
+        log.warning(message)
+        self.progress.event(message)
+        self._restart_due[child.name] = time.monotonic() + delay
+
+    def _restart_due_children(self) -> None:
+        for name, due in list(self._restart_due.items()):
+            if time.monotonic() >= due:
+                del self._restart_due[name]
+                with self.interrupts.deferred():
+                    self.cluster.restart(name)
+        for child in self.cluster.poll_ready():
+            self.progress.event(f"{child.name} is up again (restart {child.restarts})")
 
     def _take_rows(self) -> bool:
         rows = self.history.poll() if self.history is not None else []

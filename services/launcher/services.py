@@ -22,6 +22,7 @@ from services.generator.config import GeneratorConfig
 from services.launcher.config import UpConfig
 from services.launcher.ports import HOST, Ports
 from services.launcher.toml_text import to_toml
+from services.sandbox.config import SandboxConfig
 from services.trainer.config import TrainerServiceConfig
 from sparrow.config import ConfigError, SparrowConfig
 from sparrow.schedule import Schedule
@@ -59,10 +60,20 @@ WIRED: dict[str, dict[str, str]] = {
         "api.token": "SPARROW_API__TOKEN in sparrow up's environment",
         "retune.tau": "tau",
     },
+    "sandbox": {
+        "api.host": "nothing (the launcher's sandbox listens on loopback)",
+        "api.port": "ports.sandbox",
+        "security.token": "nothing (a random one per run, handed to the trainer)",
+    },
 }
 
 # A secret never goes into a config file; the child gets it from its environment.
-SECRET_FIELDS = {"trainer": ("security", "token"), "generator": ("security", "token"), "controller": ("api", "token")}
+SECRET_FIELDS = {
+    "trainer": ("security", "token"),
+    "generator": ("security", "token"),
+    "controller": ("api", "token"),
+    "sandbox": ("security", "token"),
+}
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class ChildConfigs:
     trainer: TrainerServiceConfig
     generators: tuple[GeneratorConfig, ...]
     controller: ControllerConfig | None
+    sandbox: SandboxConfig | None = None  # set once the run's rewards are known (services/launcher/sandbox.py)
 
 
 def prompt_tokens(trainer: TrainerServiceConfig) -> int:
@@ -202,6 +214,11 @@ def resolve(
             },
         )
     return ChildConfigs(trainer, generators, controller)
+
+
+def resolve_sandbox(up: UpConfig, port: int) -> SandboxConfig:
+    """The started sandbox's config: its defaults < `[sandbox]` < the wiring (loopback, the run's port)."""
+    return _resolve(SandboxConfig, "sandbox", {}, up.sandbox, {"api": {"host": HOST, "port": port}})
 
 
 def _redis_url(up: UpConfig, ports: Ports) -> str:
