@@ -3,7 +3,8 @@
 A reward is a plain function `(response: str, ground_truth: str | None, extras: dict) -> float | dict`:
 `response` is the decoded completion (special tokens left out), `ground_truth` the row's answer
 (`reward_model.ground_truth`, or `answer_key`), `extras` the row's `extra_info` plus `data_source`
-and, under `"options"`, the reward's own settings from the config (`[reward.options.<name>]`). A dict
+and, under `"options"`, the reward's own settings from the config (`[reward.options.<name>]`), and
+under `"time_budget_s"` the seconds the call has before the trainer gives up on it. A dict
 result must hold `score`; its other number fields are kept as the sample's reward info. A reward
 may be slow and do I/O (a sandboxed code run): the trainer calls it in a worker process with a
 timeout (services/trainer/reward_pool.py), so it need not be thread-safe or fast.
@@ -34,6 +35,12 @@ REWARDS: dict[str, str] = {
     "code": "services.sandbox.reward:code_score",
 }
 DEFAULT_REWARD = "math"
+# Seconds a call may take, for built-ins whose calls wait on a service: `code` covers a request at the
+# sandbox's max_request_s (120 s) and a minute of waiting through a restarting or busy sandbox. Others:
+# `[reward] timeout_s`; `[reward] timeouts` overrides both by name.
+REWARD_TIMEOUTS: dict[str, float] = {"code": 180.0}
+BUDGET_KEY = "time_budget_s"
+"""extras[BUDGET_KEY]: the seconds a call has before the pool gives up on it (a reward that retries fits in it)"""
 
 
 class RewardError(ValueError):
@@ -50,6 +57,13 @@ def reward_target(name: str) -> str:
             "or module:function, or path/to/file.py:function"
         )
     return name
+
+
+def reward_timeout(name: str, timeout_s: float, timeouts: dict[str, float] | None = None) -> float:
+    """A call's timeout: `timeouts[name]`, else the built-in's own (REWARD_TIMEOUTS), else `timeout_s`."""
+    if timeouts and name in timeouts:
+        return timeouts[name]
+    return REWARD_TIMEOUTS.get(name, timeout_s)
 
 
 def resolve_reward(name: str) -> RewardFn:

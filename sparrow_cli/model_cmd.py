@@ -186,7 +186,7 @@ def evaluate_dataset(
     except (DataInputError, ModelLoadError) as exc:
         raise CliError(str(exc)) from None
     prompts = data.eval[0].prompts[:samples]
-    pool = RewardPool(workers=2, timeout_s=config.reward.timeout_s)
+    pool = RewardPool(workers=2, timeout_s=config.reward.timeout_s, timeouts=config.reward.timeouts)
 
     def score(prompt, texts):
         s = prompt.sample

@@ -1,13 +1,15 @@
 """A client of the sandbox service for the trainer's reward workers: retries with backoff, never a silent 0.
 
 A 429 (the pool is full), a 502/503/504 or a connection that fails (the service is down or restarting)
-is retried with exponential backoff and jitter for up to `retry_s`; after that `SandboxUnavailable` is
+is retried with exponential backoff and jitter for up to `retry_s`, or until a caller's deadline (the
+code reward's: its time budget in the trainer's reward pool); after that `SandboxUnavailable` is
 raised, which the trainer's reward pool counts as an error of that sample. A request the service
 refuses as malformed (any other 4xx) is not retried: `SandboxRequestError` with the service's message.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Any
@@ -45,13 +47,17 @@ class SandboxClient:
         self.retries = 0
         """requests retried so far (for the reward's info and the tests)"""
 
-    def run(self, body: dict[str, Any], read_timeout_s: float) -> dict[str, Any]:
-        """The service's answer to `body`; waits and retries through 429s and outages up to `retry_s`."""
-        deadline = time.monotonic() + self.retry_s
+    def run(self, body: dict[str, Any], read_timeout_s: float, deadline: float | None = None) -> dict[str, Any]:
+        """The service's answer to `body`; waits and retries through 429s and outages up to `retry_s`, and
+        never past `deadline` (time.monotonic()): no attempt's wait reaches beyond it."""
+        start = time.monotonic()
+        deadline = min(start + self.retry_s, deadline if deadline is not None else math.inf)
+        budget = deadline - start
         delay = self.backoff_s
-        timeout = httpx.Timeout(read_timeout_s, connect=self._connect_timeout_s)
         last = ""
         while True:
+            left = max(0.05, deadline - time.monotonic())
+            timeout = httpx.Timeout(min(read_timeout_s, left), connect=min(self._connect_timeout_s, left))
             try:
                 r = self._http.post(f"{self.url}/v1/run", json=body, timeout=timeout)
                 if r.status_code == 200:
@@ -63,7 +69,7 @@ class SandboxClient:
                 last = f"{type(exc).__name__}: {exc}"
             left = deadline - time.monotonic()
             if left <= 0:
-                raise SandboxUnavailable(f"sandbox at {self.url} did not answer within {self.retry_s:.0f} s ({last})")
+                raise SandboxUnavailable(f"sandbox at {self.url} did not answer within {budget:.1f} s ({last})")
             self.retries += 1
             time.sleep(min(left, delay * random.uniform(0.5, 1.0)))
             delay = min(delay * 2, self.max_backoff_s)

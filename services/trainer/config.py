@@ -111,7 +111,17 @@ class RewardConfig(ConfigSection):
     )
     by_source: dict[str, str] = Field({}, description="Reward per data_source, over `name`.")
     workers: int = Field(4, ge=1, le=256, description="Reward worker processes (calls may be slow or do I/O).")
-    timeout_s: float = Field(10.0, gt=0, description="A reward call running longer scores 0 (counted as timeout).")
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="A reward call running longer scores 0 (counted as timeout); the code reward's own default is "
+        "180 s (a request at the sandbox's max_request_s plus a minute of retries through a sandbox restart).",
+    )
+    timeouts: dict[str, float] = Field(
+        {},
+        description="Timeout per reward name, over timeout_s and the built-in's default (e.g. {code = 300.0}); "
+        "the code reward's retries fit in it.",
+    )
     options: dict[str, dict[str, Any]] = Field(
         {}, description="Settings per reward name, given to the reward as extras['options']."
     )

@@ -6,7 +6,10 @@ per worker hands it the next task and waits at most `timeout_s`. A call that rai
 finite score, or outlives its timeout (the worker is killed and a fresh one started) scores 0,
 counted by reason (`sparrow_trainer_reward_errors_total{reason}`) and logged once per (reward,
 reason). Nothing a reward does stalls or kills the step: every future resolves within the timeout
-(plus a worker's start, when one had to be replaced).
+(plus a worker's start, when one had to be replaced). The timeout is per reward name (`timeout_for`:
+the code reward waits on the sandbox longer than a math check takes), and each call is told it in
+extras["time_budget_s"], so a reward that retries a service (the code reward) gives up in time and
+says why instead of being killed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.trainer.metrics import REWARD_ERROR_REASONS as REASONS
-from sparrow.reward_registry import coerce_score, resolve_reward
+from sparrow.reward_registry import BUDGET_KEY, REWARD_TIMEOUTS, coerce_score, resolve_reward, reward_timeout
 
 log = logging.getLogger("sparrow.trainer.rewards")
 
@@ -137,10 +140,12 @@ class _Slot:
                 if error is not None:
                     return self.pool.failed(task.reward, "raised", error)
                 self.loaded.add(task.reward)
-            self.conn.send(("call", task.reward, task.response, task.ground_truth, task.extras))
-            if not self.conn.poll(self.pool.timeout_s):
+            timeout = self.pool.timeout_for(task.reward)
+            extras = {**task.extras, BUDGET_KEY: timeout}
+            self.conn.send(("call", task.reward, task.response, task.ground_truth, extras))
+            if not self.conn.poll(timeout):
                 self._kill()
-                return self.pool.failed(task.reward, "timeout", f"no score within {self.pool.timeout_s:g} s")
+                return self.pool.failed(task.reward, "timeout", f"no score within {timeout:g} s")
             score, info, reason, detail = self.conn.recv()
         except (EOFError, OSError) as exc:
             self._kill()
@@ -156,8 +161,11 @@ class _Slot:
 class RewardPool:
     """`workers` reward processes; `submit` returns a Future that always resolves to a RewardResult."""
 
-    def __init__(self, workers: int, timeout_s: float, errors_counter=None) -> None:
+    def __init__(
+        self, workers: int, timeout_s: float, errors_counter=None, timeouts: dict[str, float] | None = None
+    ) -> None:
         self.timeout_s = timeout_s
+        self.timeouts = dict(timeouts or {})
         self.context = mp.get_context("spawn")  # the trainer holds torch threads and gRPC: never fork it
         self.tasks: queue.Queue[_Task | None] = queue.Queue()
         self.errors = errors_counter
@@ -167,6 +175,10 @@ class RewardPool:
         self.slots = [_Slot(self, i) for i in range(workers)]
         for slot in self.slots:
             slot.thread.start()
+
+    def timeout_for(self, reward: str) -> float:
+        """Seconds one call of `reward` may take (sparrow.reward_registry.reward_timeout)."""
+        return reward_timeout(reward, self.timeout_s, self.timeouts)
 
     def submit(self, reward: str, response: str, ground_truth: str | None, extras: dict[str, Any]) -> Future:
         """Queue one reward call; its Future resolves to a RewardResult (score 0 on any failure)."""
@@ -190,5 +202,6 @@ class RewardPool:
         """Stop every worker (tasks still queued resolve first)."""
         for _ in self.slots:
             self.tasks.put(None)
+        longest = max([self.timeout_s, *self.timeouts.values(), *REWARD_TIMEOUTS.values()])
         for slot in self.slots:
-            slot.thread.join(self.timeout_s + 10)
+            slot.thread.join(longest + 10)

@@ -95,7 +95,7 @@ class TrainerService:
         self.store = TrajectoryStore(self.run_dir)
         self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
         r = config.reward
-        self.reward_pool = RewardPool(r.workers, r.timeout_s, self.metrics.reward_errors)
+        self.reward_pool = RewardPool(r.workers, r.timeout_s, self.metrics.reward_errors, r.timeouts)
         self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options)
         self.sampling = Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs, self.data.stop_ids)
         self.feeder = Feeder(

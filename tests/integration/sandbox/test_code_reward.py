@@ -97,6 +97,6 @@ def test_a_sandbox_that_is_down_is_waited_for_and_the_score_arrives_once_it_is_b
 def test_a_sandbox_down_past_the_retry_budget_is_an_error_not_a_score():
     options = {"url": f"http://127.0.0.1:{free_port()}", "retry_s": 1.5}
     start = time.monotonic()
-    with pytest.raises(SandboxUnavailable, match="did not answer within 2 s"):
+    with pytest.raises(SandboxUnavailable, match=r"did not answer within 1\.\d s"):
         code_score(CASES[0][0], None, {"tests": SUM, "options": options})
     assert time.monotonic() - start < 5
