@@ -129,6 +129,7 @@ class Cluster:
         if old.returncode is None:
             self.children[name] = old
             raise ValueError(f"service {name} is still running")
+        _signal_group(old.process.pid, signal.SIGKILL)  # what the dead one started (its jailed programs) goes too
         try:
             child = self.start(old.spec)
         except BaseException:

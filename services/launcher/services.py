@@ -218,7 +218,9 @@ def resolve(
 
 def resolve_sandbox(up: UpConfig, port: int) -> SandboxConfig:
     """The started sandbox's config: its defaults < `[sandbox]` < the wiring (loopback, the run's port)."""
-    return _resolve(SandboxConfig, "sandbox", {}, up.sandbox, {"api": {"host": HOST, "port": port}})
+    # One log line per request in the run folder's sandbox.log: which rewards ran, and how they went.
+    local = {"api": {"access_log": True}}
+    return _resolve(SandboxConfig, "sandbox", local, up.sandbox, {"api": {"host": HOST, "port": port}})
 
 
 def _redis_url(up: UpConfig, ports: Ports) -> str:

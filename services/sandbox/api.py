@@ -165,6 +165,9 @@ def create_app(config: SandboxConfig, jail: Jail, metrics: SandboxMetrics | None
             metrics.run_seconds.observe(case.elapsed_s)
         metrics.requests.labels("ok").inc()
         first_bad = next((c.status for c in result.cases if c.status != "passed"), None)
+        if config.api.access_log:
+            seconds = sum(c.elapsed_s for c in result.cases)
+            log.info("run: %d/%d passed, %s, %.2f s", result.passed, result.total, first_bad or "passed", seconds)
         return RunResponse(
             status=first_bad or "passed",
             passed=result.passed,

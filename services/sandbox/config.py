@@ -76,6 +76,9 @@ class ApiConfig(ConfigSection):
 
     host: str = Field("127.0.0.1", description="Address the API listens on.")
     port: int = Field(8490, ge=0, le=65535, description="Port of the API, the health checks and /metrics.")
+    access_log: bool = Field(
+        False, description="Log one line per run request (cases passed, first failing status, seconds); sparrow up: on."
+    )
 
 
 class SecurityConfig(ConfigSection):
