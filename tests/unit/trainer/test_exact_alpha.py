@@ -4,7 +4,9 @@ The sparse side's reference is the block-sparse reference decode loop (trainer/r
 the CPU decoder whose full distributions can always be taken: it decodes under the schedule and
 records, per token, its whole log-distribution and the budget it used. The exact pass, teacher-forced
 under those recorded budgets, must give alpha_exact of the loop's own full distributions against the
-dense policy's, and never less than the top-k bound of the same step.
+dense policy's, and never less than the top-k bound of the same step. (The vLLM engine's full
+distributions, on a model whose vocabulary fits its logprob limit, are compared in
+tests/integration/generator/test_exact_alpha_vllm.py.)
 """
 
 import dataclasses
