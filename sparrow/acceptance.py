@@ -2,7 +2,8 @@
 
 alpha = sum_v min(p(v), q(v)) = 1 - TV(p, q), with q the sparse actor and p the dense policy at the
 same position. From top-k lists it is summed over the ids present in both (a lower bound); from full
-distributions it is exact. The stability statistic of a bin is a low quantile (p5) of alpha.
+distributions it is exact. The stability statistic of a bin is a low quantile (p5) of alpha; beside it
+every bin reports p1 and the share of tokens under 0.5, which see rare failing tokens p5 misses.
 
 Quantiles everywhere use linear interpolation between order statistics (numpy's default `linear`
 method, Hyndman and Fan type 7): for n sorted values, q sits at position q * (n - 1).
@@ -17,6 +18,8 @@ import torch
 from sparrow.schedule import DEFAULT_BIN_WIDTH
 
 DEFAULT_QUANTILE = 0.05
+STRICT_QUANTILE = 0.01  # p1: the stricter tail, for tasks that hinge on rare tokens
+LOW_ALPHA = 0.5  # `under_half`: the share of tokens whose alpha is below this
 
 
 def alpha_topk(
@@ -87,6 +90,8 @@ class BinStats:
     q: float  # which quantile `quantile` is (0.05 for the paper's p5)
     quantile: float
     mean: float
+    p1: float = float("nan")  # the STRICT_QUANTILE of the bin's alpha
+    under_half: float = float("nan")  # share of the bin's tokens with alpha < LOW_ALPHA
 
 
 def bin_index(kv_lens: torch.Tensor, bin_width: int = DEFAULT_BIN_WIDTH, num_bins: int | None = None) -> torch.Tensor:
@@ -129,6 +134,8 @@ def _stats(i: int, values: torch.Tensor, bin_width: int, q: float, num_bins: int
         q=q,
         quantile=quantile(values, q),
         mean=float(values.double().mean()),
+        p1=quantile(values, STRICT_QUANTILE),
+        under_half=float((values < LOW_ALPHA).double().mean()),
     )
 
 

@@ -21,6 +21,16 @@ Prometheus (written by the trainer, read by the controller):
   means the gauges above hold a new step's reading, even when it equals the last one (p5 of 1.0
   over a bin's 4,096 tokens, step after step, is the usual case for a lenient schedule).
 
+Beside p5, per bin, over the same last step: ``sparrow_trainer_alpha_p1`` (the 1st percentile) and
+``sparrow_trainer_alpha_under_half`` (the share of tokens with alpha < 0.5), which see rare failing
+tokens under the 5% that p5 looks at.
+
+All of the above is the top-k bound of alpha (the generators' top-20 lists against the trainer's). A
+trainer with ``alpha = "exact"`` also exports the exact value (its own teacher-forced sparse forward
+against its dense one, over the whole vocabulary) as series of their own: ``sparrow_trainer_alpha_exact``
+(histogram), ``sparrow_trainer_alpha_exact_p5``, ``_exact_p1``, ``_exact_under_half`` and
+``_exact_tokens``; `alpha_series` names both sets. The controller reads the one its config names.
+
 Optional probes (written by the trainer only for tokens generated under a probe request):
 ``sparrow_trainer_alpha_probe_p5``, ``sparrow_trainer_alpha_probe_tokens`` and
 ``sparrow_trainer_alpha_probe_budget_tokens`` (the probe budget those tokens used), label ``bin``.
@@ -39,6 +49,8 @@ Redis (written by the controller, read by the generators; Redis is the source of
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 BIN_LABEL = "bin"
 
@@ -71,8 +83,47 @@ PROBE_P5_GAUGE = "sparrow_trainer_alpha_probe_p5"
 PROBE_TOKENS_GAUGE = "sparrow_trainer_alpha_probe_tokens"
 PROBE_BUDGET_GAUGE = "sparrow_trainer_alpha_probe_budget_tokens"
 
-# The quantile the stability statistic is defined on (DESIGN.md section 1).
+ALPHA_P1_GAUGE = "sparrow_trainer_alpha_p1"
+ALPHA_UNDER_HALF_GAUGE = "sparrow_trainer_alpha_under_half"
+
+EXACT_ALPHA_HISTOGRAM = "sparrow_trainer_alpha_exact"
+EXACT_P5_GAUGE = "sparrow_trainer_alpha_exact_p5"
+EXACT_P1_GAUGE = "sparrow_trainer_alpha_exact_p1"
+EXACT_UNDER_HALF_GAUGE = "sparrow_trainer_alpha_exact_under_half"
+EXACT_TOKENS_GAUGE = "sparrow_trainer_alpha_exact_tokens"
+
+# The quantile the stability statistic is defined on (DESIGN.md section 1): the default of the controller's
+# `tail_quantile`. The quantiles with a gauge of their own per bin (the rest only through the histogram).
 TAIL_QUANTILE = 0.05
+GAUGE_QUANTILES: tuple[float, ...] = (0.05, 0.01)
+
+ALPHA_SOURCES = ("topk", "exact")
+
+
+@dataclass(frozen=True)
+class AlphaSeries:
+    """The Prometheus names of one kind of alpha (the top-k bound or the exact value)."""
+
+    histogram: str
+    tokens: str
+    under_half: str
+    quantile_gauges: dict[float, str]  # GAUGE_QUANTILES -> gauge name
+
+    def gauge(self, q: float) -> str | None:
+        """The per-bin gauge of quantile `q`, or None when only the histogram has it."""
+        return next((name for gq, name in self.quantile_gauges.items() if abs(gq - q) < 1e-12), None)
+
+
+def alpha_series(source: str) -> AlphaSeries:
+    """The names of the `source` ("topk" or "exact") series."""
+    if source == "topk":
+        return AlphaSeries(ALPHA_HISTOGRAM, ALPHA_TOKENS_GAUGE, ALPHA_UNDER_HALF_GAUGE,
+                           {0.05: ALPHA_P5_GAUGE, 0.01: ALPHA_P1_GAUGE})  # fmt: skip
+    if source == "exact":
+        return AlphaSeries(EXACT_ALPHA_HISTOGRAM, EXACT_TOKENS_GAUGE, EXACT_UNDER_HALF_GAUGE,
+                           {0.05: EXACT_P5_GAUGE, 0.01: EXACT_P1_GAUGE})  # fmt: skip
+    raise ValueError(f"alpha source must be one of {ALPHA_SOURCES}, got {source!r}")
+
 
 SCHEDULE_KEY = "sparrow:schedule:current"
 SCHEDULE_HISTORY_KEY = "sparrow:schedule:history"

@@ -180,4 +180,12 @@ def _print_tables(report: dict) -> None:
     ]  # fmt: skip
     print("held-out prompts with the fitted schedule:")
     print(table(rows, ["KV bin", "tokens", "budget", "p5", "mean", "p5 in [tau-0.03, tau+0.05]"]))
+    # The tail beyond p5, exact (full distributions) and the top-20 bound side by side.
+    rows = [
+        [f"{r['kv_start']}+", f"{r['p5']:.3f} / {r['p5_topk']:.3f}", f"{r['p1']:.3f} / {r['p1_topk']:.3f}",
+         f"{r['under_half']:.4f} / {r['under_half_topk']:.4f}"]
+        for r in val
+    ]  # fmt: skip
+    print("held-out tail, exact / top-20 bound:")
+    print(table(rows, ["KV bin", "p5", "p1", "share alpha < 0.5"]))
     print(f"wrote {report['out']} and {report['plot']}")

@@ -29,6 +29,7 @@ class Rollout:
     policy_version: int = 0
     schedule_version: int = 0
     probe: bool = False  # generated under a probe request (kv_budgets are the probe's where it applied)
+    adapter_version: int = 0  # the DistillSparse adapter that served it (0: none)
 
     @property
     def prompt_len(self) -> int:

@@ -61,7 +61,8 @@ class Measurement:
     seconds: float
 
     def bins(self, settings: Settings) -> list[dict[str, Any]]:
-        """Per populated bin: token count, whether trusted, p5 and mean of exact and top-20 alpha."""
+        """Per populated bin: token count, whether trusted, and of exact and top-20 alpha side by side: p5, p1, mean,
+        and the share of tokens under 0.5 (the top-k one suffixed `_topk`)."""
         exact = binned_stats(self.alpha, self.kv_lens, settings.bin_width, settings.quantile)
         topk = binned_stats(self.alpha_topk, self.kv_lens, settings.bin_width, settings.quantile)
         return [
@@ -73,8 +74,12 @@ class Measurement:
                 "trusted": e.count >= settings.min_bin_tokens,
                 "p5": e.quantile,
                 "mean": e.mean,
+                "p1": e.p1,
+                "under_half": e.under_half,
                 "p5_topk": t.quantile,
                 "mean_topk": t.mean,
+                "p1_topk": t.p1,
+                "under_half_topk": t.under_half,
             }
             for e, t in zip(exact, topk, strict=True)
         ]

@@ -93,10 +93,13 @@ def log_distributions(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """(first position, log_softmax(logits / T) [c, vocab] float32) for each chunk of `hidden` [N, H]; no gradient."""
     _check(hidden, weight, temperature, chunk)
-    with torch.no_grad():
-        w = weight.to(dtype or hidden.dtype)
-        for start in range(0, hidden.shape[0], chunk):
-            yield start, torch.log_softmax(_scaled_logits(hidden[start : start + chunk], w, temperature), dim=-1)
+    w = weight.detach().to(dtype or hidden.dtype)
+    for start in range(0, hidden.shape[0], chunk):
+        # no_grad around each chunk, not around the loop: a generator suspended inside the context would
+        # leave gradients off in its caller (a paired consumer stops at its own last chunk, never closing it).
+        with torch.no_grad():
+            logp = torch.log_softmax(_scaled_logits(hidden[start : start + chunk].detach(), w, temperature), dim=-1)
+        yield start, logp
 
 
 class _TokenLogprobs(torch.autograd.Function):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from trainer import distributed, lm_head
 from trainer.batch import MicroBatch, Rollout, collate, generator_topk, micro_batches, plan_micro_batches
 from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
 from trainer.scoring import Scorer, TokenScores, compute_dtype
+
+if TYPE_CHECKING:
+    from trainer.exact_alpha import ExactAlpha
 
 
 @dataclass(frozen=True)
@@ -42,10 +46,16 @@ class UpdateConfig:
 
 @dataclass
 class Acceptance:
-    """Alpha of every response token of the batch, with the KV length it was produced at."""
+    """Alpha of every response token of the batch, with the KV length it was produced at.
+
+    `alpha` is the top-k lower bound (generators' lists against the dense policy's); `exact`, when the
+    step ran the exact pass (`trainer.exact_alpha`), the exact value over the vocabulary, NaN for the
+    tokens of a rollout whose budgets the teacher-forced forward cannot reproduce.
+    """
 
     alpha: torch.Tensor  # [tokens] float32
     kv_lens: torch.Tensor  # [tokens] int64
+    exact: torch.Tensor | None = None  # [tokens] float64
 
 
 def dense_scores(
@@ -56,7 +66,26 @@ def dense_scores(
     max_tokens: int = 0,
 ) -> list[TokenScores]:
     """Dense teacher-forced logprobs and top-k lists of every rollout's response (in the rollouts' order)."""
+    return scores_and_exact(scorer, rollouts, temperature, micro_batch_size, max_tokens)[0]
+
+
+def scores_and_exact(
+    scorer: Scorer,
+    rollouts: Sequence[Rollout],
+    temperature: float,
+    micro_batch_size: int,
+    max_tokens: int = 0,
+    exact: ExactAlpha | None = None,
+) -> tuple[list[TokenScores], list[torch.Tensor] | None]:
+    """`dense_scores`, and with `exact` each rollout's exact alpha [response_len] float64 (else None).
+
+    The sparse forward of each micro-batch runs just before its dense scoring, whose LM-head chunks
+    it pairs with (`trainer.exact_alpha`).
+    """
+    from trainer.exact_alpha import unreproducible_mask
+
     out: list[TokenScores | None] = [None] * len(rollouts)
+    exact_out: list[torch.Tensor | None] = [None] * len(rollouts)
     lengths = [r.prompt_len + len(r.token_ids) for r in rollouts]
     plan = plan_micro_batches(lengths, micro_batch_size, max_tokens)
     # Under FSDP every forward is a collective: ranks agree on the busiest one's count before any
@@ -64,12 +93,21 @@ def dense_scores(
     passes = distributed.max_over_ranks(len(plan))
     for rows in plan:
         picked = [rollouts[r] for r in rows]
-        scores = scorer.score([r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature)
+        pair = exact.pair(picked) if exact is not None else None
+        scores = scorer.score(
+            [r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature, on_chunk=pair
+        )
         for row, score in zip(rows, scores, strict=True):
             out[row] = score
+        if pair is not None:
+            alpha = pair.alpha().masked_fill(unreproducible_mask(picked), float("nan"))
+            for row, part in zip(rows, torch.split(alpha, [len(r.token_ids) for r in picked]), strict=True):
+                exact_out[row] = part
     for _ in range(passes - len(plan)):
-        scorer.score([[0, 0]], [1], None, temperature)
-    return out  # type: ignore[return-value]
+        pad = _PAD_ROLLOUT
+        pair = exact.pair([pad]) if exact is not None else None
+        scorer.score([pad.sequence], [pad.prompt_len], None, temperature, on_chunk=pair)
+    return out, (exact_out if exact is not None else None)  # type: ignore[return-value]
 
 
 def acceptance(rollouts: Sequence[Rollout], dense: Sequence[TokenScores]) -> Acceptance:
@@ -137,10 +175,12 @@ def grpo_update(
     return out
 
 
+_PAD_ROLLOUT = Rollout("", 0, (0,), (0,), (0.0,), (), ())
+
+
 def _empty_batch(device: torch.device) -> MicroBatch:
     """A 2-token micro-batch whose one response token carries no weight: a rank's padding pass."""
-    pad = Rollout("", 0, (0,), (0,), (0.0,), (), ())
-    return collate([pad], torch.zeros(1), [0]).to(device)
+    return collate([_PAD_ROLLOUT], torch.zeros(1), [0]).to(device)
 
 
 def _micro_loss(
@@ -192,8 +232,12 @@ def learn(
     rollouts: Sequence[Rollout],
     advantages: torch.Tensor,
     config: UpdateConfig,
+    exact: ExactAlpha | None = None,
 ) -> tuple[list[TokenScores], Acceptance, dict[str, float]]:
     """One step's learning on the whole batch, on one rank or many: dense scores, alpha and the update.
+
+    With `exact` the acceptance also holds the exact alpha (`trainer.exact_alpha`), from the policy
+    before this step's update, as the dense scores are.
 
     Every rank passes the same batch (rank 0's, broadcast) and takes its share of it
     (`trainer.distributed.share`); the loss is normalised by the global token count, so the update
@@ -203,15 +247,27 @@ def learn(
     """
     mine = distributed.share(rollouts)
     local = [rollouts[i] for i in mine]
-    dense = dense_scores(scorer, local, config.temperature, config.micro_batch_size, config.max_tokens_per_microbatch)
+    if exact is not None:
+        exact.begin_step()
+    dense, exact_rows = scores_and_exact(
+        scorer, local, config.temperature, config.micro_batch_size, config.max_tokens_per_microbatch, exact
+    )
     acc = acceptance(local, dense)
-    per_rollout = list(zip(mine, torch.split(acc.alpha, [len(r.token_ids) for r in local]), strict=True))
-    placed: dict[int, torch.Tensor] = {}
+    bounds = torch.split(acc.alpha, [len(r.token_ids) for r in local])
+    per_rollout = [(i, (b, exact_rows[j] if exact_rows is not None else None)) for j, (i, b) in
+                   enumerate(zip(mine, bounds, strict=True))]  # fmt: skip
+    placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for part in distributed.gather_objects(per_rollout):
         placed.update(part)
+    order = range(len(rollouts))
     whole = Acceptance(
-        alpha=torch.cat([placed[i] for i in range(len(rollouts))]) if rollouts else torch.zeros(0),
+        alpha=torch.cat([placed[i][0] for i in order]) if rollouts else torch.zeros(0),
         kv_lens=torch.cat([r.kv_lens() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+        exact=(
+            (torch.cat([placed[i][1] for i in order]) if rollouts else torch.zeros(0, dtype=torch.float64))
+            if exact is not None
+            else None
+        ),
     )
     stats = grpo_update(model, optimizer, local, [d.logprobs for d in dense], advantages[mine], config)
     return dense, whole, stats

@@ -95,11 +95,14 @@ class Scorer:
         schedule: Schedule | None = None,
         temperature: float = 1.0,
         full: bool = False,
+        on_chunk: lm_head.ChunkCallback | None = None,
     ) -> list[TokenScores]:
         """Per sequence, the scores of its response tokens (those after its prompt).
 
         `schedule` None is dense attention; otherwise teacher-forced block-sparse attention under it
-        (prompt positions dense, as prefill is). `full` also returns every position's log-probs.
+        (prompt positions dense, as prefill is). `full` also returns every position's log-probs;
+        `on_chunk` receives each LM-head chunk's log-probs (`trainer.lm_head.token_logprobs`), the
+        response positions of every sequence in order.
         """
         if not temperature > 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -129,6 +132,13 @@ class Scorer:
         )
         targets = torch.cat([ids[i, plen:n] for i, (n, plen) in enumerate(zip(lens, prompt_lens, strict=True))])
         full_rows: list[torch.Tensor] = []
+
+        def chunk_seen(start: int, lp: torch.Tensor) -> None:
+            if full:
+                full_rows.append(lp.clone())
+            if on_chunk is not None:
+                on_chunk(start, lp)
+
         head = lm_head.token_logprobs(
             rows,
             lm_head.output_weight(self.model),
@@ -136,7 +146,7 @@ class Scorer:
             temperature,
             self.chunk,
             top_k=self.top_k,
-            on_chunk=(lambda _start, lp: full_rows.append(lp.clone())) if full else None,
+            on_chunk=chunk_seen if full or on_chunk is not None else None,
             dtype=self.dtype or rows.dtype,
         )
         full_lp = torch.cat(full_rows) if full else None

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 
 from services.controller.grid import BudgetGrid
+from sparrow import metrics_contract as mc
 from sparrow.config import ConfigSection, SparrowConfig
 from sparrow.schedule import PAGE_SIZE
 
@@ -14,7 +15,9 @@ from sparrow.schedule import PAGE_SIZE
 class RetuneConfig(ConfigSection):
     """How budgets move: the target, its margin and hysteresis, bounds and step sizes."""
 
-    tau: float = Field(0.86, gt=0, lt=1, description="Stability threshold on each bin's p5 of alpha.")
+    tau: float = Field(
+        0.86, gt=0, lt=1, description="Stability threshold on each bin's tail statistic (tail_quantile of alpha)."
+    )
     margin: float = Field(0.02, ge=0, lt=0.5, description="Safety margin: a bin is raised when its p5 < tau + margin.")
     hysteresis: float = Field(
         0.02,
@@ -66,6 +69,18 @@ class RetuneConfig(ConfigSection):
         gt=0,
         description="A fresh reading this far from the bin's fitted curve means the curve moved: older points go.",
     )
+    tail_quantile: float = Field(
+        mc.TAIL_QUANTILE,
+        gt=0,
+        lt=0.5,
+        description="The tail statistic each bin must hold >= tau: this quantile of alpha (0.05: the paper's p5; "
+        "0.01: p1, for tasks that hinge on rare tokens). The gauge path needs a trainer gauge (0.05 or 0.01).",
+    )
+    alpha: Literal["topk", "exact"] = Field(
+        "topk",
+        description="Which alpha the statistic is read from: the top-k bound, or the exact value (needs the trainer's "
+        'alpha = "exact").',
+    )
     p5_source: Literal["exact", "histogram", "min"] = Field(
         "exact",
         description="Which p5 decides: the exact gauge (histogram when it lacks tokens), the histogram, or the lower.",
@@ -96,6 +111,11 @@ class RetuneConfig(ConfigSection):
             raise ValueError(f"min_budget {self.min_budget} is above max_budget {self.max_budget}")
         if self.target >= 1:
             raise ValueError(f"tau + margin must be below 1, got {self.target}")
+        if self.p5_source != "histogram" and mc.alpha_series(self.alpha).gauge(self.tail_quantile) is None:
+            raise ValueError(
+                f"tail_quantile {self.tail_quantile:g} has no per-bin gauge (the trainer exports "
+                f"{', '.join(f'{q:g}' for q in mc.GAUGE_QUANTILES)}); use one of those or p5_source = 'histogram'"
+            )
         return self
 
 
@@ -158,3 +178,10 @@ class ControllerConfig(SparrowConfig):
     api: ApiConfig = Field(default_factory=ApiConfig, description="Admin API.")
     cost: CostConfig = Field(default_factory=CostConfig, description="Cost model inputs for predicted speedup.")
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="Optional probe requests.")
+
+    @model_validator(mode="after")
+    def _check_probe(self) -> ControllerConfig:
+        # The trainer's probe gauges hold p5: a curve fitted to them does not describe another quantile.
+        if self.probe.enabled and abs(self.retune.tail_quantile - mc.TAIL_QUANTILE) > 1e-12:
+            raise ValueError(f"probes read p5; they need retune.tail_quantile = {mc.TAIL_QUANTILE:g}")
+        return self

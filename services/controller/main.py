@@ -41,7 +41,11 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
         return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples).speedup
 
     p = config.prometheus
-    source = PrometheusSource(p.url, p.window_s, p.timeout_s, p.max_age_s, probes=config.probe.enabled)
+    r = config.retune
+    source = PrometheusSource(
+        p.url, p.window_s, p.timeout_s, p.max_age_s, probes=config.probe.enabled, quantile=r.tail_quantile,
+        alpha=r.alpha,
+    )  # fmt: skip
     client = aioredis.from_url(config.redis.url, socket_timeout=5, socket_connect_timeout=5)
     publisher = SchedulePublisher(client, config.redis.history_limit)
     return ControlLoop(config, publisher, source, initial, speedup_of)

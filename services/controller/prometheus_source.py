@@ -1,4 +1,10 @@
-"""Reads the trainer's tail statistic per bin from a Prometheus server, over its HTTP API with PromQL."""
+"""Reads the trainer's tail statistic per bin from a Prometheus server, over its HTTP API with PromQL.
+
+The statistic is the configured quantile of alpha (`tail_quantile`, p5 by default; the readings keep
+the name p5) of the configured series (`alpha`: the top-k bound or the exact value). "p5_exact" is
+the trainer's gauge of that quantile over its last step (exact in the order-statistic sense), as
+opposed to the histogram's estimate over a window.
+"""
 
 from __future__ import annotations
 
@@ -26,22 +32,29 @@ class PrometheusUnavailable(RuntimeError):
     """Prometheus could not be asked or did not answer properly; the message says how."""
 
 
-def queries(window_s: float, probes: bool) -> dict[str, str]:
-    """The PromQL the controller runs, by purpose; every per-bin query aggregates `by (bin)`."""
+def queries(window_s: float, probes: bool, quantile: float = mc.TAIL_QUANTILE, alpha: str = "topk") -> dict[str, str]:
+    """The PromQL the controller runs, by purpose; every per-bin query aggregates `by (bin)`.
+
+    `quantile` is the tail statistic (0.05: p5) and `alpha` the series it is read from: the top-k
+    bound or the exact value (`mc.alpha_series`). The gauge query reads the trainer's per-bin gauge
+    of that quantile; a quantile without one (`mc.GAUGE_QUANTILES`) has only the histogram's.
+    """
+    names = mc.alpha_series(alpha)
     w = f"{max(1, round(window_s))}s"
+    gauge = names.gauge(quantile)
     q = {
-        "p5_exact": f"min by ({mc.BIN_LABEL}) ({mc.ALPHA_P5_GAUGE})",
-        "tokens_exact": f"sum by ({mc.BIN_LABEL}) ({mc.ALPHA_TOKENS_GAUGE})",
         "p5_histogram": (
-            f"histogram_quantile({mc.TAIL_QUANTILE}, "
-            f"sum by (le, {mc.BIN_LABEL}) (rate({mc.ALPHA_HISTOGRAM}_bucket[{w}])))"
+            f"histogram_quantile({quantile:g}, sum by (le, {mc.BIN_LABEL}) (rate({names.histogram}_bucket[{w}])))"
         ),
-        "tokens_window": f"sum by ({mc.BIN_LABEL}) (increase({mc.ALPHA_HISTOGRAM}_count[{w}]))",
+        "tokens_exact": f"sum by ({mc.BIN_LABEL}) ({names.tokens})",
+        "tokens_window": f"sum by ({mc.BIN_LABEL}) (increase({names.histogram}_count[{w}]))",
         # Seconds since each bin's newest sample; a target that stopped answering is stale.
-        "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({mc.ALPHA_TOKENS_GAUGE}))",
+        "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({names.tokens}))",
         "version": f"min({mc.SCHEDULE_VERSION_GAUGE})",
         "steps": f"max({mc.ALPHA_STEPS_COUNTER}_total)",
     }
+    if gauge is not None:
+        q["p5_exact"] = f"min by ({mc.BIN_LABEL}) ({gauge})"
     if probes:
         q["probe_p5"] = f"min by ({mc.BIN_LABEL}) ({mc.PROBE_P5_GAUGE})"
         q["probe_tokens"] = f"sum by ({mc.BIN_LABEL}) ({mc.PROBE_TOKENS_GAUGE})"
@@ -52,12 +65,21 @@ def queries(window_s: float, probes: bool) -> dict[str, str]:
 class PrometheusSource:
     """One `read()` per control tick: all queries at one evaluation time, readings per bin."""
 
-    def __init__(self, url: str, window_s: float, timeout_s: float, max_age_s: float, probes: bool = False) -> None:
+    def __init__(
+        self,
+        url: str,
+        window_s: float,
+        timeout_s: float,
+        max_age_s: float,
+        probes: bool = False,
+        quantile: float = mc.TAIL_QUANTILE,
+        alpha: str = "topk",
+    ) -> None:
         self.url = url.rstrip("/")
         self.window_s = window_s
         self.max_age_s = max_age_s
         self.timeout_s = timeout_s
-        self.queries = queries(window_s, probes)
+        self.queries = queries(window_s, probes, quantile, alpha)
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
     async def aclose(self) -> None:
@@ -117,7 +139,7 @@ class PrometheusSource:
                 continue
             probe_budget = per_bin.get("probe_budget", {}).get(index)
             bins[index] = BinReading(
-                p5_exact=per_bin["p5_exact"].get(index),
+                p5_exact=per_bin.get("p5_exact", {}).get(index),
                 tokens_exact=per_bin["tokens_exact"].get(index, 0.0),
                 p5_histogram=per_bin["p5_histogram"].get(index),
                 tokens_window=per_bin["tokens_window"].get(index, 0.0),

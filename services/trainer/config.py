@@ -279,6 +279,12 @@ class TrainerServiceConfig(SparrowConfig):
     logprob_tolerance: float = Field(
         1e-3, ge=0, description="Logprobs up to this above 0 are accepted (float rounding); larger ones are refused."
     )
+    alpha: Literal["topk", "exact"] = Field(
+        "topk",
+        description="Alpha per token: the top-k bound from the generators' lists, or also the exact value over the "
+        "vocabulary from the trainer's teacher-forced sparse forward under each token's budgets (one no-grad "
+        "forward per step; block rule from the schedule in Redis, else [distill]'s sink/local/dense_layers).",
+    )
     grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC server.")
     security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")

@@ -143,6 +143,7 @@ class TrainerService:
             config.max_staleness,
             self.distill,
             self.data.stop_ids,
+            self._exact_alpha() if config.alpha == "exact" else None,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._http = None
@@ -161,6 +162,20 @@ class TrainerService:
         # The generators' schedule lives in Redis; the feeder's client exists once __init__ is through.
         step.rule_source = lambda: read_block_rule(self.feeder.client, step.fallback)
         return step
+
+    def _exact_alpha(self):
+        from services.trainer.distill_step import read_block_rule
+        from trainer.distill import BlockRule
+        from trainer.exact_alpha import ExactAlpha
+
+        c = self.config
+        d = c.distill
+        fallback = BlockRule(d.sink_blocks, d.local_blocks, frozenset(d.dense_layers))
+        return ExactAlpha(
+            self.model, lambda: read_block_rule(self.feeder.client, fallback), c.sampling.temperature,
+            c.optim.lm_head_chunk, self.compute_dtype, d.backend,
+            self.distill.distill.actor if self.distill is not None else None,
+        )  # fmt: skip
 
     def _checkpoint_parts(self) -> dict:
         from services.trainer.distill_step import CHECKPOINT_PART

@@ -27,6 +27,7 @@ from services.trainer.store import TrajectoryStore
 from sparrow import metrics_contract as mc
 from sparrow.acceptance import binned_stats
 from trainer.batch import Rollout
+from trainer.exact_alpha import ExactAlpha
 from trainer.grpo import group_advantages
 from trainer.rl_update import UpdateConfig, learn
 from trainer.scoring import Scorer
@@ -50,7 +51,9 @@ class StepReport:
     response_length: float
     staleness: float
     alpha_mean: float
-    alpha_bins: list[dict] = field(default_factory=list)  # {bin, kv_start, tokens, mean, p5}, probe samples left out
+    # {bin, kv_start, tokens, mean, p5, p1, under_half} of the top-k bound, probe samples left out; with the
+    # exact pass also {exact_tokens, exact_mean, exact_p5, exact_p1, exact_under_half}
+    alpha_bins: list[dict] = field(default_factory=list)
     probe_samples: int = 0  # samples generated at the controller's probe budgets
     alpha_probe_bins: list[dict] = field(default_factory=list)  # the same over the probe samples' tokens
     tis_clip_fraction: float = 0.0
@@ -78,6 +81,15 @@ def _budgets(r: Rollout) -> torch.Tensor:
     return torch.zeros(len(r.token_ids), dtype=torch.long)
 
 
+def _bin_rows(alpha: torch.Tensor, kv_lens: torch.Tensor, tail) -> list[dict]:
+    """The report's per-bin rows of one set of alpha values."""
+    return [
+        {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile, "p1": b.p1,
+         "under_half": b.under_half}
+        for b in binned_stats(alpha, kv_lens, tail.bin_width, tail.quantile, tail.num_bins)
+    ]  # fmt: skip
+
+
 def to_rollout(t: rollout_pb2.Trajectory) -> Rollout:
     """The learner's view of a wire trajectory."""
     return Rollout(
@@ -92,6 +104,7 @@ def to_rollout(t: rollout_pb2.Trajectory) -> Rollout:
         policy_version=t.versions.policy_version,
         schedule_version=t.versions.schedule_version,
         probe=t.probe,
+        adapter_version=t.versions.adapter_version,
     )
 
 
@@ -111,7 +124,9 @@ class StepRunner:
         max_staleness: int,
         distill: DistillStep | None = None,
         stop_ids: tuple[int, ...] = (),
+        exact: ExactAlpha | None = None,
     ) -> None:
+        self.exact = exact  # the exact-alpha pass ([trainer] alpha = "exact"), None: the top-k bound only
         self.stop_ids = frozenset(stop_ids)  # where a sample may end before max_new_tokens
         self.model = model
         self.optimizer = optimizer
@@ -171,7 +186,9 @@ class StepRunner:
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
         # Dense scores, alpha of the whole batch and the update; each rank its share when distributed.
-        _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, torch.cat(advantages), self.update)
+        _, acc, stats = learn(
+            self.model, self.optimizer, self.scorer, rollouts, torch.cat(advantages), self.update, self.exact
+        )
         distilled = self.distill.run(step, rollouts, torch.cat(advantages)) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail
@@ -179,13 +196,21 @@ class StepRunner:
         # not the schedule's, and are exported apart.
         probing = torch.cat([torch.full((len(r.token_ids),), r.probe, dtype=torch.bool) for r in rollouts])
         main = ~probing
-        tail.record_step(acc.alpha[main], acc.kv_lens[main], schedule_version)
+        exact = acc.exact
+        exact_main = exact[main] if exact is not None else None
+        tail.record_step(acc.alpha[main], acc.kv_lens[main], schedule_version, exact_main)
         budgets = torch.cat([_budgets(r) for r in rollouts])
-        tail.record_probe(acc.alpha[probing], acc.kv_lens[probing], budgets[probing])
-        bins = binned_stats(acc.alpha[main], acc.kv_lens[main], tail.bin_width, tail.quantile, tail.num_bins)
-        probe_bins = binned_stats(
-            acc.alpha[probing], acc.kv_lens[probing], tail.bin_width, tail.quantile, tail.num_bins
-        )
+        # Probes follow the trainer's alpha: exact where the pass has it, the bound for the tokens it has not.
+        probe_alpha = acc.alpha.double() if exact is None else torch.where(exact.isnan(), acc.alpha.double(), exact)
+        tail.record_probe(probe_alpha[probing], acc.kv_lens[probing], budgets[probing])
+        bins = _bin_rows(acc.alpha[main], acc.kv_lens[main], tail)
+        if exact is not None:
+            have = main & ~exact.isnan()
+            by_bin = {b["bin"]: b for b in _bin_rows(exact[have], acc.kv_lens[have], tail)}
+            for row in bins:
+                other = by_bin.get(row["bin"], {})
+                row.update({f"exact_{k}": other.get(k, math.nan) for k in ("tokens", "mean", "p5", "p1", "under_half")})
+        probe_bins = _bin_rows(probe_alpha[probing], acc.kv_lens[probing], tail)
         report = StepReport(
             step=step,
             policy_version=policy_version,
@@ -196,15 +221,9 @@ class StepRunner:
             response_length=sum(len(r.token_ids) for r in rollouts) / len(rollouts),
             staleness=sum(policy_version - r.policy_version for r in rollouts) / len(rollouts),
             alpha_mean=float(acc.alpha.double().mean()),
-            alpha_bins=[
-                {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile}
-                for b in bins
-            ],
+            alpha_bins=bins,
             probe_samples=sum(r.probe for r in rollouts),
-            alpha_probe_bins=[
-                {"bin": b.index, "kv_start": b.kv_start, "tokens": b.count, "mean": b.mean, "p5": b.quantile}
-                for b in probe_bins
-            ],
+            alpha_probe_bins=probe_bins,
             tis_clip_fraction=stats.get("tis_clip_fraction", 0.0),
             kl_rollout_dense=stats.get("kl_rollout_dense", 0.0),
             ppo_clip_fraction=stats.get("ppo_clip_fraction", 0.0),

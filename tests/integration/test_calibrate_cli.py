@@ -55,6 +55,9 @@ def test_calibrate_on_task_prompts_writes_a_schedule_and_a_plot(model_dir, tmp_p
         for row in run["bins"]:
             assert 0.0 <= row["p5_topk"] <= row["p5"] + 1e-6 <= 1.0 + 1e-6
             assert {"index", "kv_start", "tokens", "trusted", "mean", "mean_topk"} <= set(row)
+            # The tail beyond p5, exact beside the bound: the bound is never above the exact value.
+            assert 0.0 <= row["p1_topk"] <= row["p1"] + 1e-6 and row["p1"] <= row["p5"] + 1e-9
+            assert 0.0 <= row["under_half"] <= row["under_half_topk"] <= 1.0
     assert len(report["fit"]) == schedule.num_bins
     assert report["validation"]["tokens"] > 0 and all("in_band" in r for r in report["validation"]["bins"])
     assert report["prompts"] == {"calibration": 3, "heldout": 2, "source": "chain task p6-h1..10"}
@@ -73,6 +76,7 @@ def test_calibrate_on_a_prompt_file_skipping_bad_rows(model_dir, tmp_path, capsy
     out = capsys.readouterr()
     assert "skipped" in out.err and "line 2: not valid JSON" in out.err
     assert "fitted schedule, bin width 32" in out.out and "held-out prompts with the fitted schedule" in out.out
+    assert "held-out tail, exact / top-20 bound:" in out.out and "share alpha < 0.5" in out.out
     Schedule.load(tmp_path / "schedule.json")
 
 

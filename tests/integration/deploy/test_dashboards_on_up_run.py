@@ -33,6 +33,7 @@ QUIET_IN_A_HEALTHY_RUN = {
     "policy_fetch_failures": "no policy fetch fails in a healthy run",
     # This run has no held-out set; test_trainer_eval.py checks the gauges and test_dashboards_live.py the panels.
     "sparrow_trainer_eval_": "no evaluation runs without a held-out set (eval_files)",
+    "sparrow_trainer_alpha_exact": 'the exact-alpha series exist only with alpha = "exact" (test_dashboards_live.py)',
 }
 
 

@@ -207,3 +207,25 @@ def test_probe_samples_are_trained_on_but_kept_out_of_the_schedules_tail_statist
     )
     probe_budgets = {k: v for k, v in metrics.items() if k.startswith("sparrow_trainer_alpha_probe_budget_tokens{")}
     assert set(probe_budgets.values()) <= {48.0, 0.0} and 48.0 in probe_budgets.values()
+
+
+def test_exact_alpha_steps_export_both_series_and_exact_never_below_the_bound(tmp_path):
+    with redis_server() as redis:
+        config = _config(tmp_path / "run", redis.url, alpha="exact", **{"distill.dense_layers": []})
+        # Probe samples carry a 48-token budget (3 pages of 16): the exact pass runs them block-sparse.
+        with _running(config, True, tmp_path / "gen", probe_budget=48) as (service, generator, _):
+            wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 180, "two training steps")
+            metrics = _metrics(service.metrics_port)
+    step = _steps(tmp_path / "run")[1]
+    for b in step["alpha_bins"]:
+        # Dense rollouts of the policy being trained (one version stale at most): exact alpha is 1 up to the
+        # version lag, and never below the top-k bound of the same tokens.
+        assert b["exact_tokens"] == b["tokens"]
+        assert b["exact_p5"] >= b["p5"] - 1e-4 and b["exact_p1"] >= b["p1"] - 1e-4 and b["exact_mean"] >= b["mean"]
+        assert b["exact_under_half"] <= b["under_half"]
+    for name in ("sparrow_trainer_alpha_exact_p5", "sparrow_trainer_alpha_exact_p1", "sparrow_trainer_alpha_p1",
+                 "sparrow_trainer_alpha_exact_under_half", "sparrow_trainer_alpha_under_half",
+                 "sparrow_trainer_alpha_exact_tokens", "sparrow_trainer_alpha_exact_bucket"):  # fmt: skip
+        assert any(k.startswith(name + "{") for k in metrics), name
+    # The probe samples' exact alpha (48-token budgets over ~60-token contexts) is below 1: the sparse forward ran.
+    assert any(b["mean"] < 0.9999 for b in step["alpha_probe_bins"])

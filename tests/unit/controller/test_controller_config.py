@@ -71,3 +71,29 @@ def test_metric_contract():
     q = queries(300, probes=False)
     assert q["p5_histogram"] == "histogram_quantile(0.05, sum by (le, bin) (rate(sparrow_trainer_alpha_bucket[300s])))"
     assert "probe_p5" not in q and "probe_p5" in queries(300, probes=True)
+
+
+def test_tail_quantile_and_alpha_name_the_series_the_controller_reads():
+    q = queries(300, probes=False, quantile=0.01, alpha="exact")
+    assert q["p5_histogram"] == (
+        "histogram_quantile(0.01, sum by (le, bin) (rate(sparrow_trainer_alpha_exact_bucket[300s])))"
+    )
+    assert q["p5_exact"] == "min by (bin) (sparrow_trainer_alpha_exact_p1)"
+    assert q["tokens_exact"] == "sum by (bin) (sparrow_trainer_alpha_exact_tokens)"
+    assert queries(300, probes=False, quantile=0.01)["p5_exact"] == "min by (bin) (sparrow_trainer_alpha_p1)"
+    # A quantile with no gauge has only the histogram's reading.
+    assert "p5_exact" not in queries(300, probes=False, quantile=0.02)
+    config = load_config(ControllerConfig, overrides={"retune.tail_quantile": 0.01, "retune.alpha": "exact"})
+    assert (config.retune.tail_quantile, config.retune.alpha) == (0.01, "exact")
+    with pytest.raises(ValueError, match="no per-bin gauge"):
+        load_config(ControllerConfig, overrides={"retune.tail_quantile": 0.02})
+    assert (
+        load_config(
+            ControllerConfig, overrides={"retune.tail_quantile": 0.02, "retune.p5_source": "histogram"}
+        ).retune.tail_quantile
+        == 0.02
+    )
+    with pytest.raises(ValueError, match="probes read p5"):
+        load_config(ControllerConfig, overrides={"retune.tail_quantile": 0.01, "probe.enabled": True})
+    with pytest.raises(ValueError):
+        load_config(ControllerConfig, overrides={"retune.alpha": "bound"})

@@ -9,6 +9,13 @@ TRAINER_METRICS = (
     "sparrow_trainer_alpha",
     "sparrow_trainer_alpha_p5",
     "sparrow_trainer_alpha_tokens",
+    "sparrow_trainer_alpha_p1",
+    "sparrow_trainer_alpha_under_half",
+    "sparrow_trainer_alpha_exact",
+    "sparrow_trainer_alpha_exact_p5",
+    "sparrow_trainer_alpha_exact_p1",
+    "sparrow_trainer_alpha_exact_under_half",
+    "sparrow_trainer_alpha_exact_tokens",
     "sparrow_trainer_schedule_version",
     "sparrow_trainer_alpha_steps_total",
     "sparrow_trainer_reward_mean",
@@ -67,6 +74,7 @@ CONTROLLER_METRICS = (
 
 HISTOGRAMS = (
     "sparrow_trainer_alpha",
+    "sparrow_trainer_alpha_exact",
     "sparrow_trainer_step_seconds",
     "sparrow_generator_queue_wait_seconds",
     "sparrow_generator_step_seconds",
