@@ -49,6 +49,13 @@ class TrainerConfig(ConfigSection):
         "", description="Folder fetched versions are written to; empty: a folder in the system temp dir."
     )
     fetch_chunk_bytes: int = Field(4 << 20, ge=1024, description="Chunk size asked for when fetching weights.")
+    stream_policies: bool = Field(
+        True,
+        description=(
+            "vLLM: read each policy version off the stream into host memory (one copy in the published dtype) "
+            "and load it from there, checked on arrival, never written to weights_dir; a relay keeps the disk path."
+        ),
+    )
     fetch_timeout_s: float = Field(600.0, gt=0, description="Deadline of one policy or adapter download.")
     follow_versions: bool = Field(
         True, description="Fetch and load new versions as the trainer announces them (WatchVersions, hello)."

@@ -103,6 +103,8 @@ class Generator:
         root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
         fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
         self.relay, source = self._relay(config, fetcher, self.metrics)
+        # Streamed loads need the engine's layout; a relay keeps versions on disk for its peers.
+        layout = self.engine.policy_layout() if t.stream_policies and source is None else None
         self.sync = VersionSync(
             fetcher,
             self.service.load,
@@ -110,6 +112,8 @@ class Generator:
             self.metrics,
             self.service.adapter_folders_in_use,
             source,
+            self.service.load_tensors if layout is not None else None,
+            layout,
         )
         self.service.sync = self.sync
         self.version_watch = (

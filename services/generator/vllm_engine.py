@@ -29,7 +29,7 @@ from services.generator.engine import (
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import PROBE_PREFIX
-from services.generator.weight_checks import check_adapter, check_policy, checkpoint_layout
+from services.generator.weight_checks import check_adapter, check_policy, check_policy_names, checkpoint_layout
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
@@ -190,6 +190,19 @@ class VllmEngine(RolloutEngine):
         except Exception as exc:  # the worker raised: the old weights may be partly overwritten
             raise EngineError(f"loading policy version {version} from {folder} failed: {exc}") from exc
         # Cached prefixes were computed with the old weights.
+        self._engine.reset_prefix_cache(reset_running_requests=False)
+        self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
+
+    def policy_layout(self) -> dict[str, tuple[int, ...]] | None:
+        return dict(self._layout) or None  # unknown (a model not in a folder): policies come through disk
+
+    def load_policy_tensors(self, tensors: dict, version: int) -> None:
+        check_policy_names(tensors, self._layout, version)
+        try:
+            # One call over the whole staged version: no engine step runs between two of its tensors.
+            self._rpc("sparrow_load_tensors", list(tensors.items()))
+        except Exception as exc:  # the worker raised: the old weights may be partly overwritten
+            raise EngineError(f"loading policy version {version} from memory failed: {exc}") from exc
         self._engine.reset_prefix_cache(reset_running_requests=False)
         self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
 
