@@ -130,6 +130,14 @@ class EngineConfig(ConfigSection):
             "graphs (static decode; not yet run on a GPU)."
         ),
     )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "vLLM only: devices one engine shards the model over (vLLM's multiprocess executor past 1); must "
+            "divide the model's attention and KV heads. Past 1, policies load from disk in every worker."
+        ),
+    )
     enable_lora: bool = Field(True, description="vLLM only: start with LoRA support (DistillSparse adapters).")
     max_lora_rank: int = Field(64, ge=1, description="Largest LoRA rank an adapter may have.")
     seed: int = Field(0, ge=0, description="Seed of the engine's sampler.")

@@ -31,6 +31,10 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
     if not Path(e.model_dir).is_dir():
         raise SetupError(f"engine.model_dir {e.model_dir}: no such folder")
     if e.kind == "reference":
+        if e.tensor_parallel_size != 1:
+            raise SetupError(
+                f"the reference engine runs on one device; engine.tensor_parallel_size is {e.tensor_parallel_size}"
+            )
         if e.dtype not in ("auto", "float32"):
             raise SetupError(f"the reference engine runs float32 only; engine.dtype is {e.dtype}")
         from services.generator.reference_engine import ReferenceEngine
@@ -60,6 +64,7 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 enable_lora=e.enable_lora,
                 max_lora_rank=e.max_lora_rank,
                 seed=e.seed,
+                tensor_parallel_size=e.tensor_parallel_size,
             )
         )
     except EngineError as exc:
