@@ -19,7 +19,7 @@ from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import EngineVersions
 from services.generator.policy_relay import HeldPolicy, RelayServer
 from services.generator.policy_source import PolicySource
-from services.generator.weight_checks import check_policy
+from services.generator.weight_checks import check_policy, check_policy_names
 from services.generator.weight_fetch import VersionSync, VersionWatcher, WeightFetcher
 from sparrow.weight_delta import folder_tensors, tensors_digest
 
@@ -39,6 +39,7 @@ class StandinGenerator:
         peer_timeout_s: float = 120.0,
         on_loaded=None,
         metrics=None,
+        stream: bool = False,
     ) -> None:
         self.generator_id = generator_id
         security = security or GrpcSecurity()
@@ -55,7 +56,9 @@ class StandinGenerator:
         self.refused: list[str] = []
         self.on_loaded = on_loaded
         self._lock = threading.Lock()
-        self.sync = VersionSync(self.fetcher, self._load, self._serving, metrics, policy_source=source)
+        # Streamed (without a relay): versions go from the stream into host memory and are loaded from there.
+        streamed = self._load_tensors if stream and source is None else None
+        self.sync = VersionSync(self.fetcher, self._load, self._serving, metrics, None, source, streamed)
         self.watch = VersionWatcher(trainer, security, generator_id, self.sync.offer)
 
     @property
@@ -68,7 +71,15 @@ class StandinGenerator:
     def _load(self, kind: str, folder: Path, version: int) -> EngineVersions:
         # The engine side: today's host checks (names, shapes, finiteness), then copies into torch tensors.
         check_policy(folder, {n: tuple(t.shape) for n, t in self.weights.items()}, version)
-        weights = {name: t.clone() for name, t in folder_tensors(folder)}
+        return self._serve({name: t.clone() for name, t in folder_tensors(folder)}, version)
+
+    def _load_tensors(self, tensors: dict, version: int) -> EngineVersions:
+        # Streamed: names and shapes again (finiteness and sha256 were checked on arrival), then the engine's copy.
+        if self.weights:
+            check_policy_names(tensors, {n: tuple(t.shape) for n, t in self.weights.items()}, version)
+        return self._serve({name: t.clone() for name, t in tensors.items()}, version)
+
+    def _serve(self, weights: dict, version: int) -> EngineVersions:
         digest = tensors_digest((n, weights[n]) for n in sorted(weights))
         with self._lock:
             self.weights, self.version = weights, version
@@ -96,7 +107,9 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_process(trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool) -> None:
+def run_process(
+    trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool = False
+) -> None:
     """A stand-in generator process: one JSON line per served version on stdout, until stdin closes."""
     import torch
 
@@ -106,14 +119,15 @@ def run_process(trainer: str, root: str, generator_id: str, relay: bool, digest_
         line = {"generator": generator_id, "version": version, "digest": digest, "t": time.time()}
         print(json.dumps({**line, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
 
-    gen = StandinGenerator(trainer, Path(root), generator_id, relay, digest_checked, on_loaded=report).start()
+    gen = StandinGenerator(trainer, Path(root), generator_id, relay, digest_checked, on_loaded=report, stream=stream)
+    gen.start()
     print(json.dumps({"generator": generator_id, "ready": True, "relay": gen.relay_address}), flush=True)
     sys.stdin.read()  # the bench closes stdin to stop us
     gen.close()
 
 
 if __name__ == "__main__":
-    run_process(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1")
+    run_process(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1", sys.argv[6] == "1")
 
 
 class PublishingTrainer:

@@ -35,10 +35,12 @@ from bench.weight_fleet import PublishingTrainer
 from sparrow.weight_delta import cast_state
 
 MODES = {
-    "fp32-trainer": ("float32", False, False),  # dtype, relay (digest-checked source plan), deltas
-    "bf16-trainer": ("bfloat16", False, False),
-    "bf16-relay": ("bfloat16", True, False),
-    "bf16-relay-delta": ("bfloat16", True, True),
+    # dtype, relay (digest-checked source plan), deltas, streamed loads (into memory as the bytes arrive, no disk)
+    "fp32-trainer": ("float32", False, False, False),
+    "bf16-trainer": ("bfloat16", False, False, False),
+    "bf16-streamed": ("bfloat16", False, False, True),
+    "bf16-relay": ("bfloat16", True, False, False),
+    "bf16-relay-delta": ("bfloat16", True, True, False),
 }
 
 
@@ -115,13 +117,13 @@ class _Master:
 class _Fleet:
     """`n` stand-in generator processes; collects their JSON lines."""
 
-    def __init__(self, trainer: str, root: Path, n: int, relay: bool) -> None:
+    def __init__(self, trainer: str, root: Path, n: int, relay: bool, stream: bool = False) -> None:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         self.procs, self.lines, self._lock = [], [], threading.Lock()
         self.ready = threading.Semaphore(0)
         for i in range(n):
             argv = [sys.executable, "-m", "bench.weight_fleet", trainer, str(root / f"g{i}"), f"g{i}"]
-            argv += ["1" if relay else "0", "1" if relay else "0"]
+            argv += ["1" if relay else "0", "1" if relay else "0", "1" if stream else "0"]
             p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
             self.procs.append(p)
             threading.Thread(target=self._read, args=(p,), daemon=True).start()
@@ -153,14 +155,14 @@ class _Fleet:
 
 
 def _run_mode(mode: str, shape: Shape, generators: int, versions: int, lr: float, timeout_s: float) -> dict:
-    dtype, relay, deltas = MODES[mode]
+    dtype, relay, deltas, stream = MODES[mode]
     bf16_copy = 2 * shape.params()
     with tempfile.TemporaryDirectory(prefix="sparrow-bench-weights-") as tmp:
         root = Path(tmp)
         trainer = PublishingTrainer(root / "trainer", deltas=deltas)
         master = _Master(shape, seed=0)
         side = {"config.json": shape.config_json()}
-        fleet = _Fleet(trainer.address, root, generators, relay)
+        fleet = _Fleet(trainer.address, root, generators, relay, stream)
         rows = []
         try:
             for v in range(1, versions + 1):
@@ -205,6 +207,7 @@ def _run_mode(mode: str, shape: Shape, generators: int, versions: int, lr: float
         "dtype": dtype,
         "relay": relay,
         "deltas": deltas,
+        "streamed": stream,
         "versions": rows,
         "steady_bytes_left_trainer_per_version": int(sum(r["bytes_left_trainer"] for r in later) / len(later)),
         "steady_bytes_per_bf16_copy": round(sum(r["bytes_left_trainer_per_bf16_copy"] for r in later) / len(later), 4),

@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--lr", type=float, default=1e-6, help="the step each element moves per version (1e-6)")
     w.add_argument(
         "--modes",
-        default="fp32-trainer,bf16-trainer,bf16-relay,bf16-relay-delta",
+        default="fp32-trainer,bf16-trainer,bf16-streamed,bf16-relay,bf16-relay-delta",
         help="modes to run (empty with --real-steps: only those)",
     )
     w.add_argument("--real-steps", type=int, default=0, help="also: delta sizes of N real GRPO steps of --model (0)")

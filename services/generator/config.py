@@ -49,6 +49,13 @@ class TrainerConfig(ConfigSection):
         "", description="Folder fetched versions are written to; empty: a folder in the system temp dir."
     )
     fetch_chunk_bytes: int = Field(4 << 20, ge=1024, description="Chunk size asked for when fetching weights.")
+    stream_policies: bool = Field(
+        True,
+        description=(
+            "vLLM: read each policy version off the stream into host memory (one copy in the published dtype) "
+            "and load it from there, checked on arrival, never written to weights_dir; a relay keeps the disk path."
+        ),
+    )
     fetch_timeout_s: float = Field(600.0, gt=0, description="Deadline of one policy or adapter download.")
     follow_versions: bool = Field(
         True, description="Fetch and load new versions as the trainer announces them (WatchVersions, hello)."
@@ -121,6 +128,14 @@ class EngineConfig(ConfigSection):
             "vLLM on CUDA only (CPU engines run eagerly): off = no CUDA graphs; piecewise = the layers "
             "between attentions as graphs, attention eager; full = also whole steps of pure decodes as "
             "graphs (static decode; not yet run on a GPU)."
+        ),
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        description=(
+            "vLLM only: devices one engine shards the model over (vLLM's multiprocess executor past 1); must "
+            "divide the model's attention and KV heads. Past 1, policies load from disk in every worker."
         ),
     )
     enable_lora: bool = Field(True, description="vLLM only: start with LoRA support (DistillSparse adapters).")

@@ -8,6 +8,7 @@
     engine.set_schedule(schedule)   # applies from the next step on
     engine.set_probe(probe)         # a share of new sequences at the probe's budgets (None: off)
     engine.load_policy(folder, 7)   # in place, no restart
+    engine.load_policy_tensors(tensors, 8)  # the same from host memory (streamed loads; vLLM only)
     engine.load_adapter(folder, 3)  # runtime LoRA, new lora_int_id per version
 
 Implementations: `vllm_engine.VllmEngine` (production: vLLM with the block-sparse attention
@@ -97,6 +98,16 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def load_policy(self, folder: Path, version: int) -> None:
         """Loads HF-format weights from `folder` in place; new samples carry `version`."""
+
+    def policy_layout(self) -> dict[str, tuple[int, ...]] | None:
+        """Name -> shape of the checkpoint this engine serves, when it can load a policy from host tensors
+        (`load_policy_tensors`: streamed loads); None: it loads policies from folders only."""
+        return None
+
+    def load_policy_tensors(self, tensors: dict, version: int) -> None:
+        """Loads a policy from host tensors (name -> tensor, the layout of `policy_layout`, every tensor finite:
+        checked on arrival by weight_stream) in place; new samples carry `version`. Raises EngineError."""
+        raise EngineError(f"policy v{version}: this engine loads policies from folders only")
 
     @abc.abstractmethod
     def load_adapter(self, folder: Path, version: int) -> None:

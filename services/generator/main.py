@@ -31,6 +31,10 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
     if not Path(e.model_dir).is_dir():
         raise SetupError(f"engine.model_dir {e.model_dir}: no such folder")
     if e.kind == "reference":
+        if e.tensor_parallel_size != 1:
+            raise SetupError(
+                f"the reference engine runs on one device; engine.tensor_parallel_size is {e.tensor_parallel_size}"
+            )
         if e.dtype not in ("auto", "float32"):
             raise SetupError(f"the reference engine runs float32 only; engine.dtype is {e.dtype}")
         from services.generator.reference_engine import ReferenceEngine
@@ -60,6 +64,7 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 enable_lora=e.enable_lora,
                 max_lora_rank=e.max_lora_rank,
                 seed=e.seed,
+                tensor_parallel_size=e.tensor_parallel_size,
             )
         )
     except EngineError as exc:
@@ -103,6 +108,8 @@ class Generator:
         root = Path(t.weights_dir) if t.weights_dir else Path(tempfile.mkdtemp(prefix="sparrow-weights-"))
         fetcher = WeightFetcher(t.weights_target, client, root, t.fetch_chunk_bytes, t.fetch_timeout_s)
         self.relay, source = self._relay(config, fetcher, self.metrics)
+        # Streamed loads need the engine's layout; a relay keeps versions on disk for its peers.
+        layout = self.engine.policy_layout() if t.stream_policies and source is None else None
         self.sync = VersionSync(
             fetcher,
             self.service.load,
@@ -110,6 +117,8 @@ class Generator:
             self.metrics,
             self.service.adapter_folders_in_use,
             source,
+            self.service.load_tensors if layout is not None else None,
+            layout,
         )
         self.service.sync = self.sync
         self.version_watch = (

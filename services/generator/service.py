@@ -156,6 +156,16 @@ class GeneratorService:
         """Load a fetched policy or adapter in the engine thread; returns the serving versions (VersionSync's hook)."""
         return self.call(lambda: self._load(kind, folder, version))
 
+    def load_tensors(self, tensors: dict, version: int) -> EngineVersions:
+        """Load a streamed policy (host tensors, checked on arrival) in the engine thread (VersionSync's hook)."""
+        return self.call(lambda: self._load_tensors(tensors, version))
+
+    def _load_tensors(self, tensors: dict, version: int) -> EngineVersions:
+        self.engine.load_policy_tensors(tensors, version)
+        self.serving = self.engine.versions
+        self.metrics.show_versions(self.serving.policy_version, self.serving.adapter_version)
+        return self.serving
+
     def adapter_folders_in_use(self) -> set[Path]:
         """The engine's adapter folders still needed, asked in the engine thread (VersionSync's sweep)."""
         return self.call(self.engine.adapter_folders_in_use, timeout=30.0)

@@ -29,7 +29,7 @@ from services.generator.engine import (
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import PROBE_PREFIX
-from services.generator.weight_checks import check_adapter, check_policy, checkpoint_layout
+from services.generator.weight_checks import check_adapter, check_policy, check_policy_names, checkpoint_layout
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
@@ -72,6 +72,7 @@ class VllmEngineConfig:
     ignore_eos: bool = False  # benchmarks: every sequence runs to max_new_tokens
     attention_backend: str | None = None  # None: the plugin's (TRITON_ATTN on CUDA), else vLLM's choice
     static_decode: bool = False  # CUDA, graphs on: steps of pure decodes as full CUDA graphs (plugin.cuda_backend)
+    tensor_parallel_size: int = 1  # past 1: vLLM's multiprocess executor, one worker per device
 
 
 class VllmEngine(RolloutEngine):
@@ -91,6 +92,7 @@ class VllmEngine(RolloutEngine):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        check_tensor_parallel(config.model, config.tensor_parallel_size)
         extra = {}
         if config.static_decode:
             _check_static_decode(config)
@@ -112,7 +114,9 @@ class VllmEngine(RolloutEngine):
             # before it and describe another distribution at any T != 1. (After top-p too, which RL leaves at 1.)
             logprobs_mode="processed_logprobs",
             skip_tokenizer_init=True,
-            distributed_executor_backend="uni",
+            # One worker in this process; past one, vLLM's multiprocess executor (a process per device).
+            distributed_executor_backend="uni" if config.tensor_parallel_size == 1 else "mp",
+            tensor_parallel_size=config.tensor_parallel_size,
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
             attention_backend=config.attention_backend or engine_attention_backend(),
@@ -125,7 +129,10 @@ class VllmEngine(RolloutEngine):
         self.vocab_size = self._engine.model_config.get_vocab_size()
         # What a new policy must look like: the checkpoint the engine started from, name by name.
         self._layout = checkpoint_layout(Path(config.model)) if Path(config.model).is_dir() else {}
-        self.sparse_layers = int(self._rpc("sparrow_attention_layers"))
+        layers = set(self._engine.collective_rpc("sparrow_attention_layers"))
+        if len(layers) != 1:  # a worker without the plugin would decode densely while the others do not
+            raise EngineError(f"the workers run the project's attention in differing numbers of layers: {layers}")
+        self.sparse_layers = int(layers.pop())
         self._sequences: dict[str, _Sequence] = {}
         self._by_group: dict[str, list[str]] = {}
         self._versions = EngineVersions()
@@ -190,6 +197,21 @@ class VllmEngine(RolloutEngine):
         except Exception as exc:  # the worker raised: the old weights may be partly overwritten
             raise EngineError(f"loading policy version {version} from {folder} failed: {exc}") from exc
         # Cached prefixes were computed with the old weights.
+        self._engine.reset_prefix_cache(reset_running_requests=False)
+        self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
+
+    def policy_layout(self) -> dict[str, tuple[int, ...]] | None:
+        if self.config.tensor_parallel_size > 1:  # each worker reads its shards from the files itself
+            return None  # (host tensors would be pickled whole to every worker process)
+        return dict(self._layout) or None  # unknown (a model not in a folder): policies come through disk
+
+    def load_policy_tensors(self, tensors: dict, version: int) -> None:
+        check_policy_names(tensors, self._layout, version)
+        try:
+            # One call over the whole staged version: no engine step runs between two of its tensors.
+            self._rpc("sparrow_load_tensors", list(tensors.items()))
+        except Exception as exc:  # the worker raised: the old weights may be partly overwritten
+            raise EngineError(f"loading policy version {version} from memory failed: {exc}") from exc
         self._engine.reset_prefix_cache(reset_running_requests=False)
         self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
 
@@ -381,6 +403,26 @@ class VllmEngine(RolloutEngine):
     def _rpc(self, method: str, *args):
         results = self._engine.collective_rpc(method, args=args)
         return results[0]
+
+
+def check_tensor_parallel(model_dir: str, size: int) -> None:
+    """Refuses (EngineError, one line) a tensor-parallel size that does not divide the model's attention heads
+    and KV heads: each worker holds whole heads (vLLM would otherwise fail deep in its start-up, or replicate
+    KV heads, which the per-head page selection does not expect)."""
+    if size < 1:
+        raise EngineError(f"engine.tensor_parallel_size must be at least 1, got {size}")
+    if size == 1:
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineError(f"engine.tensor_parallel_size {size}: cannot read {model_dir}/config.json: {exc}") from None
+    config = config.get("text_config", config)
+    heads = int(config.get("num_attention_heads", 0))
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    for count, what in ((heads, "attention heads"), (kv_heads, "KV heads")):
+        if count <= 0 or count % size:
+            raise EngineError(f"engine.tensor_parallel_size {size} does not divide the model's {count} {what}")
 
 
 def _max_positions(model_dir: str) -> int:

@@ -35,6 +35,19 @@ def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int
     layout = checkpoint_layout(folder)
     if not layout:
         raise EngineError(f"{what}: no .safetensors weights")
+    _check_layout(layout, serving, what)
+    _check_finite(folder, what)
+
+
+def check_policy_names(tensors: dict[str, torch.Tensor], serving: dict[str, tuple[int, ...]], version: int) -> None:
+    """Refuses host tensors (a streamed policy) that are not the serving checkpoint's tensors in their shapes."""
+    what = f"policy v{version}"
+    if not tensors:
+        raise EngineError(f"{what}: no weights")
+    _check_layout({name: tuple(t.shape) for name, t in tensors.items()}, serving, what)
+
+
+def _check_layout(layout: dict[str, tuple[int, ...]], serving: dict[str, tuple[int, ...]], what: str) -> None:
     if serving and set(layout) != set(serving):
         odd = sorted(set(layout) ^ set(serving))
         kind = "missing" if odd[0] in serving else "unknown"
@@ -44,7 +57,6 @@ def check_policy(folder: Path, serving: dict[str, tuple[int, ...]], version: int
             raise EngineError(
                 f"{what} does not fit the serving model: {name} is {list(shape)}, serving {list(serving[name])}"
             )
-    _check_finite(folder, what)
 
 
 def _check_finite(folder: Path, what: str) -> None:

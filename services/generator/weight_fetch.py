@@ -5,7 +5,9 @@
 manifest. Anything wrong (a bad hash, a short or overlong file, a chunk for a file the manifest
 does not name, a path that leaves the folder) refuses the whole version with one clear line and
 leaves nothing behind; the engine keeps serving what it had. Only a verified download is renamed
-into place.
+into place. `fetch_stream` reads a policy into host memory instead (weight_stream: checked as it
+arrives, nothing on disk), for an engine that loads from host tensors and a generator that does not
+relay (a relay serves its peers from disk).
 
 `VersionWatcher` follows `WatchVersions` (reconnecting with backoff); `VersionSync` turns the
 announced versions, and the trainer's hello, into fetch-then-load, one swap at a time. A version
@@ -33,6 +35,7 @@ from services.common.grpc_server import GrpcSecurity, open_channel
 from services.generator.engine import EngineError, EngineVersions
 from services.generator.metrics import GeneratorMetrics
 from services.generator.trajectory_stream import Backoff
+from services.generator.weight_stream import PolicyStream, StreamError
 
 if TYPE_CHECKING:
     from services.generator.policy_source import PolicySource
@@ -97,11 +100,33 @@ class WeightFetcher:
             what += f" from peer {address}"
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=self.root))
+        try:
+            download = _Download(tmp, version, what, base_version)
+            manifest = self._run(download, kind, version, address, base_version, timeout_s)
+            final = self.root / f"{kind}-v{manifest.version}"
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            return Fetched(kind, manifest.version, final, manifest)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def fetch_stream(self, version: int, serving: dict[str, tuple[int, ...]]) -> Streamed:
+        """Fetch policy `version` from the trainer into host memory, checked against the engine's layout
+        `serving` as it arrives (weight_stream); nothing is written to disk. Raises WeightFetchError."""
+        stream = PolicyStream(serving)
+        what = f"policy v{version}" if version else "latest policy"
+        manifest = self._run(_StreamDownload(stream, version, what), POLICY, version, self.address, 0, 0.0)
+        return Streamed(manifest.version, stream.tensors, manifest)
+
+    def _run(
+        self, download: _Download, kind: str, version: int, address: str, base_version: int, timeout_s: float
+    ) -> weights_pb2.WeightManifest:
         channel = open_channel(address, self.security)
+        # The deadline bounds a trainer that hangs mid-download: without it the swap would wait forever.
         timeout = timeout_s or self.timeout_s
         try:
             stub = weights_pb2_grpc.WeightServiceStub(channel)
-            # The deadline bounds a trainer that hangs mid-download: without it the swap would wait forever.
             if kind == POLICY:
                 request = weights_pb2.FetchPolicyRequest(version=version, chunk_bytes=self.chunk_bytes)
                 call = stub.FetchPolicy(request, timeout=timeout)
@@ -120,21 +145,24 @@ class WeightFetcher:
                 if self._closed:
                     call.cancel()
             try:
-                manifest = _Download(tmp, version, what, base_version).run(call)
+                return download.run(call)
             except grpc.RpcError as exc:
-                message = f"cannot fetch {what} from {address}: {exc.code().name} {exc.details()}"
+                message = f"cannot fetch {download.what} from {address}: {exc.code().name} {exc.details()}"
                 raise WeightsUnavailable(message, exc.code()) from None
             finally:
                 with self._lock:
                     self._calls.discard(call)
-            final = self.root / f"{kind}-v{manifest.version}"
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            return Fetched(kind, manifest.version, final, manifest)
         finally:
             channel.close()
-            shutil.rmtree(tmp, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A policy version streamed into host memory, every check passed: name -> tensor, and its manifest."""
+
+    version: int
+    tensors: dict[str, Any]  # torch tensors (torch is imported lazily here)
+    manifest: weights_pb2.WeightManifest
 
 
 class _Download:
@@ -214,15 +242,19 @@ class _Download:
             self.fail(f"{chunk.path}: chunk at offset {chunk.offset}, expected {self.written[chunk.path]}")
         if self.written[chunk.path] + len(chunk.data) > info.size_bytes:
             self.fail(f"{chunk.path}: more bytes than the {info.size_bytes} of the manifest")
-        if chunk.path != self.current:
+        self.hashes[chunk.path].update(chunk.data)
+        self.store(chunk.path, chunk.data)
+        self.written[chunk.path] += len(chunk.data)
+
+    def store(self, path: str, data: bytes) -> None:
+        """Keep the next bytes of `path` (here: append them to its file in the folder)."""
+        if path != self.current:
             self.close_current()
-            target = self.folder / chunk.path
+            target = self.folder / path
             target.parent.mkdir(parents=True, exist_ok=True)
             self.handle = target.open("ab")
-            self.current = chunk.path
-        self.handle.write(chunk.data)
-        self.hashes[chunk.path].update(chunk.data)
-        self.written[chunk.path] += len(chunk.data)
+            self.current = path
+        self.handle.write(data)
 
     def close_current(self) -> None:
         if self.handle is not None:
@@ -236,10 +268,44 @@ class _Download:
         digest = self.hashes[path].hexdigest()
         if digest != info.sha256:
             self.fail(f"{path}: sha256 {digest[:16]}... does not match the manifest's {info.sha256[:16]}...")
+        self.stored(path)
+
+    def stored(self, path: str) -> None:
+        """`path` arrived whole and matched the manifest."""
         target = self.folder / path
         if not target.exists():  # an empty file has no chunks
             target.parent.mkdir(parents=True, exist_ok=True)
             target.touch()
+
+
+class _StreamDownload(_Download):
+    """One policy fetch stream read into a PolicyStream's host tensors instead of files (weight_stream)."""
+
+    def __init__(self, stream: PolicyStream, version: int, what: str) -> None:
+        super().__init__(Path(), version, what)
+        self.stream = stream
+
+    def check_manifest(self, manifest: weights_pb2.WeightManifest) -> None:
+        super().check_manifest(manifest)
+        for f in manifest.files:
+            self.stream.open(f.path, f.size_bytes)
+
+    def store(self, path: str, data: bytes) -> None:
+        try:
+            self.stream.write(path, data)
+        except StreamError as exc:
+            self.fail(str(exc))
+
+    def stored(self, path: str) -> None:
+        pass  # nothing on disk; the tensors are checked whole in run()
+
+    def run(self, call) -> weights_pb2.WeightManifest:
+        manifest = super().run(call)
+        try:
+            self.stream.finish()
+        except StreamError as exc:
+            self.fail(str(exc))
+        return manifest
 
 
 class VersionWatcher:
@@ -298,9 +364,11 @@ class VersionSync:
     """Brings the engine to the announced policy and adapter versions: fetch (here), load (engine thread).
 
     `load(kind, folder, version)` must run the engine's load in its own thread and return the
-    serving versions, raising EngineError when the engine refuses. A replaced policy folder is deleted
-    at once (the load copied it into the engine); a replaced adapter folder waits until `in_use()` (the
-    engine's `adapter_folders_in_use`, asked in its thread) no longer names it: vLLM reads an adapter
+    serving versions, raising EngineError when the engine refuses; with `load_tensors` (and no policy
+    source: a relay needs the folder), policies are streamed into host memory and loaded from there
+    (`load_tensors(tensors, version)`, in the engine thread too) and never touch disk. A replaced policy
+    folder is deleted at once (the load copied it into the engine); a replaced adapter folder waits until
+    `in_use()` (the engine's `adapter_folders_in_use`, asked in its thread) no longer names it: vLLM reads an adapter
     from disk again whenever a sequence still running under it needs it and its cache evicted it.
     """
 
@@ -312,8 +380,14 @@ class VersionSync:
         metrics: GeneratorMetrics | None = None,
         in_use: Callable[[], set[Path]] | None = None,
         policy_source: PolicySource | None = None,
+        load_tensors: Callable[[dict, int], EngineVersions] | None = None,
+        layout: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.fetcher, self.load, self.serving, self.metrics = fetcher, load, serving, metrics
+        # Streamed loads: policies arrive into host memory and load from there (no disk), unless a relay
+        # needs the version on disk to serve it. `layout` is the engine's (name -> shape).
+        self.load_tensors = load_tensors if policy_source is None else None
+        self.layout = layout or {}
         self.in_use = in_use
         self.policy_source = policy_source  # None: policies come whole from the trainer, unchecked by digest
         self._delta_folder: Path | None = None  # the delta the serving policy was built from (its relay serves it)
@@ -412,6 +486,9 @@ class VersionSync:
         return got.fetched, got
 
     def _swap(self, kind: str, version: int) -> None:
+        if kind == POLICY and self.load_tensors is not None:
+            self._swap_streamed(version)
+            return
         with self._swap_lock:
             try:
                 fetched, got = self._fetch(kind, version)
@@ -449,6 +526,26 @@ class VersionSync:
                 else:  # a policy is copied into the engine's weights by the load
                     shutil.rmtree(old, ignore_errors=True)
             self._sweep()
+
+    def _swap_streamed(self, version: int) -> None:
+        with self._swap_lock:
+            try:
+                streamed = self.fetcher.fetch_stream(version, self.layout)
+            except WeightsUnavailable:
+                raise
+            except WeightFetchError:
+                self._count(POLICY, "refused")
+                raise
+            try:
+                self.load_tensors(streamed.tensors, streamed.version)
+            except Exception:
+                self._count(POLICY, "refused")
+                raise
+            finally:
+                streamed.tensors.clear()  # the staging buffer: the engine holds its own copy now
+            self._count(POLICY, "ok")
+            self._retry_backoff.reset()
+            log.info("now serving policy v%d (streamed)", streamed.version)
 
     def sweep(self) -> list[Path]:
         """Delete the replaced adapter folders that no unfinished sequence uses any more; returns those kept.

@@ -174,6 +174,21 @@ same names (a test compares them).
   value: "0.0.0.0"
 - name: SPARROW_METRICS__PORT
   value: {{ .Values.generator.metricsPort | quote }}
+{{- if .Values.generator.relay.enabled }}
+- name: SPARROW_RELAY__ENABLED
+  value: "true"
+- name: SPARROW_RELAY__HOST
+  value: "0.0.0.0"
+- name: SPARROW_RELAY__PORT
+  value: {{ .Values.generator.relay.port | quote }}
+# Peers reach a relay at its pod's IP: a Deployment's pod name does not resolve.
+- name: POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: SPARROW_RELAY__ADVERTISE
+  value: {{ printf "$(POD_IP):%d" (int .Values.generator.relay.port) | quote }}
+{{- end }}
 {{- if not (dig "engine" "model_dir" "" .Values.generator.config) }}
 - name: SPARROW_ENGINE__MODEL_DIR
   value: {{ .Values.model.dir | quote }}

@@ -83,19 +83,30 @@ class SparrowWorkerExtension:
                         count += 1
                         yield name, st.get_tensor(name)
 
+        self._sparrow_load(tensors())
+        return count
+
+    def sparrow_load_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Loads (name, host tensor) pairs of a checkpoint into the running model, in place, as
+        `sparrow_load_weights` does from files (a streamed policy version, staged and checked by the
+        generator). Returns the number of tensors. With the in-process executor the tensors are the
+        generator's own (no copy); a multiprocess executor would pickle them to each worker."""
+        self._sparrow_load(iter(tensors))
+        return len(tensors)
+
+    def _sparrow_load(self, tensors) -> None:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            self.reload_weights(weights_iterator=tensors())
-            return count
+            self.reload_weights(weights_iterator=tensors)
+            return
         model = self.model_runner.get_model()
         with torch.no_grad():
-            model.load_weights(tensors())
+            model.load_weights(tensors)
             for module in model.modules():
                 method = getattr(module, "quant_method", None)
                 if hasattr(module, "cpu_linear") and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
-        return count
 
     def sparrow_config_echo(self, payload: str) -> str:
         """Round-trips a JSON payload (a liveness check of the extension through collective_rpc)."""

@@ -6,6 +6,7 @@ per-position budgets out, a schedule from Redis applied mid-run, a new policy lo
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
@@ -37,6 +38,9 @@ def test_vllm_generator_serves_groups_applies_schedules_and_loads_policies(start
     trainer.wait_for(lambda: h.service.serving.schedule_version == 2, 60, "v2 applied")
     trainer.publish("policy", 1, SMALL)
     trainer.wait_for(lambda: h.service.serving.policy_version == 1, 60, "policy v1 loaded")
+    # Streamed: the version went from the stream into the engine through memory, no folder written.
+    weights = Path(h.config.trainer.weights_dir)
+    assert not weights.exists() or not any(weights.rglob("*.safetensors"))
     h.enqueue(group("b", n=2, max_new_tokens=30, pairs=20, seed=7))
     h.wait_settled({"a0": 2, "a1": 2, "b": 2})
     # A probe request in Redis, as the controller writes it: half the new sequences at 48 tokens.

@@ -465,3 +465,79 @@ def test_an_adapter_for_another_model_is_refused(engine, tmp_path):
     with pytest.raises(EngineError, match="shape"):
         engine.load_adapter(other, version + 1)
     assert engine.versions.adapter_version == version
+
+
+def _streaming_sync(engine, trainer, root: Path):
+    """VersionSync as the generator wires it without a relay: streamed loads into this engine."""
+    from services.common.grpc_server import GrpcSecurity
+    from services.generator.weight_fetch import VersionSync, WeightFetcher
+
+    def from_disk(kind, folder, version):
+        raise AssertionError(f"{kind} v{version} went through {folder}")
+
+    def load_tensors(tensors, version):
+        engine.load_policy_tensors(tensors, version)
+        return engine.versions
+
+    fetcher = WeightFetcher(trainer.address, GrpcSecurity(), root, chunk_bytes=4096)  # tensors span chunks
+    return VersionSync(
+        fetcher, from_disk, lambda: engine.versions, None, None, None, load_tensors, engine.policy_layout()
+    )
+
+
+def _noisy(t) -> None:
+    g = torch.Generator().manual_seed(3)
+    for name in t:
+        t[name] = t[name] + 0.05 * torch.randn(t[name].shape, generator=g)
+
+
+def test_a_streamed_policy_serves_as_the_same_version_loaded_from_disk(engine, tmp_path):
+    from tests.fixtures.standin_rollout_server import StandinRolloutServer
+
+    engine.set_schedule(None)
+    folder = _policy(tmp_path / "policy", _noisy)
+    before = _greedy(engine, "stream-before")
+    with StandinRolloutServer() as trainer:
+        trainer.publish("policy", 31, folder)
+        _streaming_sync(engine, trainer, tmp_path / "weights").load_now(31, 0)
+    assert engine.versions.policy_version == 31
+    assert not (tmp_path / "weights").exists() or not any((tmp_path / "weights").iterdir())  # no disk copy
+    streamed = _greedy(engine, "streamed")
+    assert streamed.versions.policy_version == 31
+    assert streamed.logprobs != pytest.approx(before.logprobs, abs=1e-3)  # the new weights serve
+    engine.load_policy(folder, 32)  # the same weights from disk
+    disk = _greedy(engine, "from-disk")
+    assert streamed.token_ids == disk.token_ids
+    assert streamed.logprobs == pytest.approx(disk.logprobs, abs=1e-6)
+
+
+def test_a_corrupted_stream_is_refused_and_the_old_version_keeps_serving(engine, tmp_path):
+    from services.generator.weight_fetch import WeightFetchError
+    from tests.fixtures.standin_rollout_server import StandinRolloutServer
+
+    def nan(t):
+        _perturb_first_layer(t)  # in the file before the NaN: a load as they come would have overwritten them
+        t["model.layers.3.self_attn.q_proj.weight"][0, 0] = float("nan")
+
+    def wrong_shape(t):
+        _perturb_first_layer(t)
+        w = t["model.layers.3.mlp.down_proj.weight"]
+        t["model.layers.3.mlp.down_proj.weight"] = torch.zeros(w.shape[0], w.shape[1] + 1)
+
+    engine.set_schedule(None)
+    before, version = _greedy(engine, "corrupt-before"), engine.versions.policy_version
+    cases = {
+        41: (_policy(tmp_path / "tail", _perturb_first_layer), "model.safetensors", r"sha256 .* does not match"),
+        42: (_policy(tmp_path / "nan", nan), "", "q_proj.weight has NaN or inf"),
+        43: (_policy(tmp_path / "shape", wrong_shape), "", r"does not fit the serving model: .*down_proj"),
+    }
+    with StandinRolloutServer() as trainer:
+        sync = _streaming_sync(engine, trainer, tmp_path / "weights")
+        for v, (folder, tail, message) in cases.items():
+            trainer.publish("policy", v, folder, corrupt_tail=tail)
+            with pytest.raises(WeightFetchError, match=f"policy v{v} refused: .*{message}"):
+                sync.load_now(v, 0)
+            assert engine.versions.policy_version == version
+    after = _greedy(engine, "corrupt-after")
+    assert after.token_ids == before.token_ids
+    assert after.logprobs == pytest.approx(before.logprobs, abs=1e-6)

@@ -16,12 +16,14 @@ def test_bench_weights_json_every_mode_identical_and_the_relay_delta_mode_sends_
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     modes = {m["mode"]: m for m in out["modes"]}
-    assert list(modes) == ["fp32-trainer", "bf16-trainer", "bf16-relay", "bf16-relay-delta"]
+    assert list(modes) == ["fp32-trainer", "bf16-trainer", "bf16-streamed", "bf16-relay", "bf16-relay-delta"]
     assert all(m["all_identical"] for m in modes.values())
     copy = out["bf16_copy_bytes"]
     # Today: 3 generators x one fp32 copy (two bf16 copies) each; bf16 halves it; the relay sends 2 (the fanout).
     assert modes["fp32-trainer"]["steady_bytes_per_bf16_copy"] == pytest.approx(6.0, rel=0.01)
     assert modes["bf16-trainer"]["steady_bytes_per_bf16_copy"] == pytest.approx(3.0, rel=0.01)
+    assert modes["bf16-streamed"]["steady_bytes_per_bf16_copy"] == pytest.approx(3.0, rel=0.01)
+    assert modes["bf16-streamed"]["streamed"] and not modes["bf16-trainer"]["streamed"]
     assert modes["bf16-relay"]["steady_bytes_per_bf16_copy"] == pytest.approx(2.0, rel=0.01)
     delta = modes["bf16-relay-delta"]
     assert delta["versions"][1]["full_bytes_left_trainer"] == 0

@@ -295,6 +295,7 @@ def test_network_policies_let_only_the_services_in():
 
     assert peers("trainer", "grpc") == ["generator"]
     assert peers("generator", "control") == ["controller", "trainer"]
+    assert peers("generator", "relay") == ["generator"]  # peers fetch policy versions from each other
     assert peers("redis", "redis") == ["controller", "generator", "keda-operator", "trainer"]
     assert peers("sandbox", "http") == ["prometheus", "trainer"] and policies["sandbox"]["spec"]["egress"] == []
     for component, port in (("trainer", "metrics"), ("generator", "metrics"), ("controller", "http")):
@@ -323,6 +324,22 @@ def test_configs_secrets_and_wiring():
     controller_env = {e["name"]: e for e in container(objs, "controller")["env"]}
     assert controller_env["SPARROW_RETUNE__TAU"]["value"] == "0.86"
     assert controller_env["SPARROW_API__TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
+    # The relay: listening on every address, advertised at the pod's IP, its port on the pod and the Service.
+    assert (env["SPARROW_RELAY__ENABLED"]["value"], env["SPARROW_RELAY__HOST"]["value"]) == ("true", "0.0.0.0")
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert (
+        env["SPARROW_RELAY__ADVERTISE"]["value"]
+        == "$(POD_IP):50053"
+        == f"$(POD_IP):{env['SPARROW_RELAY__PORT']['value']}"
+    )
+    names = [e["name"] for e in container(objs, "generator")["env"]]
+    assert names.index("POD_IP") < names.index("SPARROW_RELAY__ADVERTISE")  # $(VAR) expands earlier variables only
+    assert {"name": "relay", "containerPort": 50053, "protocol": "TCP"} in container(objs, "generator")["ports"]
+    (generators,) = find(objs, "Service", "generator")
+    assert any(p["name"] == "relay" and p["port"] == 50053 for p in generators["spec"]["ports"])
+    off = objects({"generator": {"relay": {"enabled": False, "port": 50053}}})
+    assert not any(e["name"].startswith("SPARROW_RELAY__") for e in container(off, "generator")["env"])
+    assert "relay" not in {p["name"] for p in container(off, "generator")["ports"]}
     (tokens,) = [s for s in find(objs, "Secret") if s["type"] == "Opaque"]
     assert set(tokens["data"]) == {"service-token", "admin-token"}
     assert tokens["data"]["service-token"] != tokens["data"]["admin-token"]

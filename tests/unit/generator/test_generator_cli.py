@@ -46,3 +46,15 @@ def test_an_unknown_initial_schedule_is_one_line(capsys, tmp_path):
     path = tmp_path / "g.toml"
     path.write_text('[schedule]\ninitial = "qwen3-1.7b-0.99"\n[engine]\nkind = "reference"\n')
     assert "unknown schedule preset 'qwen3-1.7b-0.99'" in _one_line_error(capsys, ["generator", "--config", str(path)])
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_kv_heads_is_one_line(capsys, tmp_path):
+    # models/small has 4 attention heads and 2 KV heads: 3 workers could not each hold whole heads.
+    path = tmp_path / "g.toml"
+    path.write_text('[engine]\nkind = "vllm"\nmodel_dir = "models/small"\ntensor_parallel_size = 3\n')
+    err = _one_line_error(capsys, ["generator", "--config", str(path)])
+    assert "engine.tensor_parallel_size 3 does not divide the model's 4 attention heads" in err
+    path.write_text('[engine]\nkind = "vllm"\nmodel_dir = "models/small"\ntensor_parallel_size = 4\n')
+    assert "does not divide the model's 2 KV heads" in _one_line_error(capsys, ["generator", "--config", str(path)])
+    path.write_text('[engine]\nkind = "reference"\nmodel_dir = "models/small"\ntensor_parallel_size = 2\n')
+    assert "the reference engine runs on one device" in _one_line_error(capsys, ["generator", "--config", str(path)])
