@@ -57,6 +57,12 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def close() -> None:
+    """Leave the process group (nothing when not distributed)."""
+    if active():
+        dist.destroy_process_group()
+
+
 def shard(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """`model` (a transformers causal LM) sharded in place by FSDP2: each decoder layer, then the root.
 
@@ -116,13 +122,22 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank `src`'s `obj` on every rank (of `group`, by default all)."""
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def control_group(timeout_s: float) -> Any:
+    """A gloo group of every rank, apart from the one the model's collectives use; every rank calls it.
+
+    Small Python objects travel on it (CPU, also beside NCCL), from another thread than the model's
+    collectives, so neither waits for the other.
+    """
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _device() -> torch.device:
