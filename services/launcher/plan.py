@@ -142,6 +142,12 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     except ValueError as exc:
         raise SetupError(str(exc)) from None
     children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
+    from services.trainer.ranks import RankSetupError, check_world
+
+    try:
+        check_world(children.trainer, up.trainer_procs)
+    except RankSetupError as exc:
+        raise SetupError(str(exc)) from None
     if not build:  # the own model is built at start; its chain rows need no check
         check_training_data(children.trainer, model_dir)
     note = "Written by sparrow up for this run; the service token comes from the environment."
@@ -190,6 +196,15 @@ def _sparrow(command: str, config: Path) -> list[str]:
     return [sys.executable, "-m", "sparrow_cli.main", command, "--config", str(config)]
 
 
+def _trainer_argv(procs: int, config: Path) -> list[str]:
+    """`sparrow trainer`, under torchrun for several processes (one node, a rendezvous on a free local port)."""
+    argv = _sparrow("trainer", config)
+    if procs == 1:
+        return argv
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    return [*torchrun, "-m", *argv[2:]]
+
+
 def _services(plan: RunPlan) -> list[ServiceSpec]:
     run_dir, logs, cfg = plan.run_dir, plan.run_dir / "logs", plan.run_dir / "services"
     base = dict(os.environ)
@@ -228,7 +243,7 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
         ServiceSpec(
             "trainer",
             "trainer",
-            _sparrow("trainer", cfg / "trainer.toml"),
+            _trainer_argv(plan.up.trainer_procs, cfg / "trainer.toml"),
             logs / "trainer.log",
             ready,
             env,
