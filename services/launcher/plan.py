@@ -196,13 +196,17 @@ def _sparrow(command: str, config: Path) -> list[str]:
     return [sys.executable, "-m", "sparrow_cli.main", command, "--config", str(config)]
 
 
-def _trainer_argv(procs: int, config: Path) -> list[str]:
-    """`sparrow trainer`, under torchrun for several processes (one node, a rendezvous on a free local port)."""
+def _trainer_argv(procs: int, restarts: int, config: Path) -> list[str]:
+    """`sparrow trainer`, under torchrun for several processes (one node, a rendezvous on a free local port).
+
+    A rank that fails ends the others (the collective timeout); torchrun then starts them all again,
+    `restarts` times at most, and they resume from the last checkpoint.
+    """
     argv = _sparrow("trainer", config)
     if procs == 1:
         return argv
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-    return [*torchrun, "-m", *argv[2:]]
+    return [*torchrun, "--max-restarts", str(restarts), "-m", *argv[2:]]
 
 
 def _services(plan: RunPlan) -> list[ServiceSpec]:
@@ -243,7 +247,7 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
         ServiceSpec(
             "trainer",
             "trainer",
-            _trainer_argv(plan.up.trainer_procs, cfg / "trainer.toml"),
+            _trainer_argv(plan.up.trainer_procs, plan.up.trainer_restarts, cfg / "trainer.toml"),
             logs / "trainer.log",
             ready,
             env,
