@@ -54,7 +54,29 @@ def init_from_env(device: str = "cpu", timeout_s: float = 300.0) -> None:
     backend = "nccl" if device == "cuda" else "gloo"
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across the restarts of its ranks (--max-restarts): without a
+        # prefix of the attempt, restarted ranks read the dead ones' addresses and cannot connect.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"sparrow/attempt-{restart}", store),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+        return
+    dist.init_process_group(backend, timeout=timeout)
+
+
+def close() -> None:
+    """Leave the process group (nothing when not distributed)."""
+    if active():
+        dist.destroy_process_group()
 
 
 def shard(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -116,13 +138,22 @@ def gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank `src`'s `obj` on every rank."""
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Rank `src`'s `obj` on every rank (of `group`, by default all)."""
     if not active():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def control_group(timeout_s: float) -> Any:
+    """A gloo group of every rank, apart from the one the model's collectives use; every rank calls it.
+
+    Small Python objects travel on it (CPU, also beside NCCL), from another thread than the model's
+    collectives, so neither waits for the other.
+    """
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _device() -> torch.device:

@@ -66,6 +66,15 @@ class UpConfig(SparrowConfig):
     model_dir: str = Field("", description="HF-format policy folder to start from instead of model_size's.")
     steps: int = Field(20, ge=1, description="Training steps of the run.")
     generators: int = Field(1, ge=1, le=64, description="Generator processes.")
+    trainer_procs: int = Field(
+        1, ge=1, le=64, description="Trainer processes (torchrun ranks on this machine; rank 0 serves, all train)."
+    )
+    trainer_restarts: int = Field(
+        3,
+        ge=0,
+        description="With several trainer processes: times torchrun starts every rank again after one fails "
+        "(they resume from the last checkpoint) before the run fails.",
+    )
     with_controller: bool = Field(True, description="Run the controller (closed-loop schedule); false: fixed schedule.")
     dense: bool = Field(False, description="Dense rollouts: generators run without a schedule (and no controller).")
     engine: Literal["vllm", "reference"] = Field(

@@ -154,6 +154,12 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
         raise SetupError(str(exc)) from None
     children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
     rewards = configured_rewards(children)
+    from services.trainer.ranks import RankSetupError, check_world
+
+    try:
+        check_world(children.trainer, up.trainer_procs)
+    except RankSetupError as exc:
+        raise SetupError(str(exc)) from None
     if not build:  # the own model is built at start; its chain rows need no check
         rewards |= check_training_data(children.trainer, model_dir)
     try:
@@ -224,6 +230,19 @@ def _sparrow(command: str, config: Path) -> list[str]:
     return [sys.executable, "-m", "sparrow_cli.main", command, "--config", str(config)]
 
 
+def _trainer_argv(procs: int, restarts: int, config: Path) -> list[str]:
+    """`sparrow trainer`, under torchrun for several processes (one node, a rendezvous on a free local port).
+
+    A rank that fails ends the others (the collective timeout); torchrun then starts them all again,
+    `restarts` times at most, and they resume from the last checkpoint.
+    """
+    argv = _sparrow("trainer", config)
+    if procs == 1:
+        return argv
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
+    return [*torchrun, "--max-restarts", str(restarts), "-m", *argv[2:]]
+
+
 def _services(plan: RunPlan) -> list[ServiceSpec]:
     run_dir, logs, cfg = plan.run_dir, plan.run_dir / "logs", plan.run_dir / "services"
     base = dict(os.environ)
@@ -277,7 +296,7 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
         ServiceSpec(
             "trainer",
             "trainer",
-            _sparrow("trainer", cfg / "trainer.toml"),
+            _trainer_argv(plan.up.trainer_procs, plan.up.trainer_restarts, cfg / "trainer.toml"),
             logs / "trainer.log",
             ready,
             env,

@@ -158,6 +158,9 @@ def summary_lines(summary: dict) -> list[str]:
         f"mean rollout {_num(summary.get('mean_rollout_tokens_per_s'), '.0f')} tok/s  "
         f"min p5 {_num(summary.get('final_min_p5'))} (tau {summary.get('tau')})",
     ]
+    procs = summary.get("run", {}).get("trainer_procs")
+    if procs:
+        lines.append(f"trainer: {procs} process(es)")
     if work:
         lines.append(
             f"groups: {work.get('groups_enqueued')} enqueued, {work.get('groups_trained')} trained, "

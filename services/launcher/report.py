@@ -177,7 +177,8 @@ def build_report(run_dir: Path) -> Path:
         "# Sparrow run report",
         "",
         f"Run folder `{run_dir.name}`: {run.get('model', '?')} model, {run.get('engine', '?')} engine, "
-        f"{run.get('generators', '?')} generator(s), {run.get('mode', '?')} rollouts, "
+        f"{run.get('generators', '?')} generator(s), {run.get('trainer_procs', 1)} trainer process(es), "
+        f"{run.get('mode', '?')} rollouts, "
         f"controller {'on' if run.get('controller') else 'off'}; outcome: {summary.get('outcome', 'unknown')}.",
         "",
         "## Headline",

@@ -299,6 +299,7 @@ class UpRun:
                 "model": str(p.model_dir.name),
                 "engine": p.up.engine,
                 "generators": p.up.generators,
+                "trainer_procs": p.up.trainer_procs,
                 "mode": "dense" if p.up.dense else "sparse",
                 "controller": p.children.controller is not None,
                 "steps": p.up.steps,

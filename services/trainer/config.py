@@ -241,6 +241,21 @@ class DistillSection(ConfigSection):
     )
 
 
+class DistributedConfig(ConfigSection):
+    """Several trainer processes under torchrun: rank 0 serves, each rank trains its share (see ranks.py)."""
+
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Bound of every collective: a rank that dies or hangs ends the others within this many seconds.",
+    )
+    even_shares: bool = Field(
+        False,
+        description="Refuse a world size that does not divide a step's samples (groups_per_step * sampling.n), "
+        "so that every rank trains as many sequences and none pads.",
+    )
+
+
 class EvalConfig(ConfigSection):
     """Evaluation during training on data.eval_files, through the generator fleet (services/trainer/evaluation.py)."""
 
@@ -298,6 +313,9 @@ class TrainerServiceConfig(SparrowConfig):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Policy publishing.")
     distill: DistillSection = Field(default_factory=DistillSection, description="DistillSparse LoRA adapter.")
+    distributed: DistributedConfig = Field(
+        default_factory=DistributedConfig, description="Several processes under torchrun."
+    )
 
     @property
     def outstanding_groups(self) -> int:

@@ -1,9 +1,15 @@
-"""Starts the trainer: logs the resolved config, trains until the steps are done or SIGTERM, exits cleanly."""
+"""Starts the trainer: logs the resolved config, trains until the steps are done or SIGTERM, exits cleanly.
+
+Under torchrun (WORLD_SIZE > 1) every process joins the process group first; rank 0 then runs the
+service and the others follow it (services/trainer/ranks.py).
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 
 from services.trainer.config import TrainerServiceConfig
@@ -19,11 +25,26 @@ def serve(config: TrainerServiceConfig) -> int:
     """Run the trainer service; SIGTERM or SIGINT checkpoints and stops it. Returns the steps done."""
     from services.trainer.checkpoint import CheckpointError, TrainState
     from services.trainer.ledger import LedgerError
+    from services.trainer.ranks import RankSetupError, check_world, follow
     from services.trainer.service import RunDirError, TrainerService
     from services.trainer.store import StoreError
     from services.trainer.training_data import DataInputError
+    from trainer import distributed
     from trainer.model_io import ModelLoadError
 
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        check_world(config, world)
+    except RankSetupError as exc:
+        raise SetupError(str(exc)) from None
+    if distributed.launched_by_torchrun():
+        _die_with_torchrun()
+        distributed.init_from_env(config.device, config.distributed.timeout_s)
+        if distributed.rank() != 0:
+            try:
+                return _follower(config, follow)
+            finally:
+                distributed.close()
     log.info("config %s", config.dump())
     stop = threading.Event()
     try:
@@ -40,4 +61,23 @@ def serve(config: TrainerServiceConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        distributed.close()
     return state.step
+
+
+def _follower(config: TrainerServiceConfig, follow) -> int:
+    from services.trainer.checkpoint import CheckpointError
+    from trainer.model_io import ModelLoadError
+
+    try:
+        return follow(config)
+    except (ModelLoadError, CheckpointError) as exc:
+        raise SetupError(str(exc)) from None
+
+
+def _die_with_torchrun() -> None:
+    """This rank ends when torchrun does, even by SIGKILL: an orphaned rank 0 would hold the run's ports."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -46,6 +46,9 @@ class TrainerMetrics:
         self.step_seconds = Histogram(
             "sparrow_trainer_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r
         )
+        self.world_size = Gauge(
+            "sparrow_trainer_world_size", "Trainer processes (torch.distributed ranks) training each step.", registry=r
+        )
         self.steps = Counter("sparrow_trainer_steps", "Training steps done by this process.", registry=r)
         self.policy_version = Gauge("sparrow_trainer_policy_version", "Latest published policy version.", registry=r)
         self.staleness = Gauge(

@@ -28,6 +28,7 @@ from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.policy_sources import SourcePlanner
 from services.trainer.policy_sync import PolicySyncStore, publish_policy
+from services.trainer.ranks import CHECKPOINT, PUBLISH, STOP
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.validate import Limits
 from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
@@ -53,14 +54,15 @@ class TrainerService:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         from services.trainer.feeder import Feeder, FeedSettings
+        from services.trainer.ranks import Leader, apply_optim_settings, build_policy, update_config
         from services.trainer.reward_pool import RewardPool
         from services.trainer.rewarding import RewardScorer
         from services.trainer.step import StepRunner
         from services.trainer.training_data import build_training_data
         from sparrow.work import Sampling
+        from trainer import distributed
         from trainer.grpo import GRPOConfig
-        from trainer.model_io import load_model, load_tokenizer
-        from trainer.rl_update import UpdateConfig
+        from trainer.model_io import load_tokenizer
 
         self.config = config
         self.run_dir = Path(config.run_dir)
@@ -68,21 +70,19 @@ class TrainerService:
         torch.set_num_threads(config.threads)
         self.metrics = TrainerMetrics(config.metrics.bin_width, config.metrics.num_bins)
         self.compute_dtype = getattr(torch, config.dtype)
-        self.model = load_model(config.model_dir, config.device)
+        # Under torchrun this is rank 0: it serves, and orders the other ranks (services/trainer/ranks.py).
+        self.leader = Leader(config.distributed.timeout_s)
+        self.metrics.world_size.set(distributed.world_size())
+        self.model, self.optimizer = build_policy(config)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.data = build_training_data(config, self.tokenizer)
-        o = config.optim
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay
-        )
         s, g = config.sampling, config.grpo
         grpo = GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap)
         self.distill = self._distill(grpo) if config.distill.enabled else None
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.checkpoint.keep)
         self.checkpoints.remove_unfinished()
         resumed = self.checkpoints.load_latest(self.model, self.optimizer, self._checkpoint_parts())
-        for group in self.optimizer.param_groups:  # the config's optimizer settings win over the checkpoint's
-            group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+        apply_optim_settings(self.config, self.optimizer)  # the config's settings win over the checkpoint's
         self.state = resumed or TrainState(run_id=self._run_id())
         self.weights = WeightStore(self.run_dir, config.weights.keep)
         self.sync = PolicySyncStore(self.run_dir, config.weights.deltas)
@@ -122,15 +122,6 @@ class TrainerService:
             config.eval, self.data, self.state.run_id, self.feeder, self.ledger, self.store, self.rewards,
             self.metrics, self.run_dir, self.sampling,
         )  # fmt: skip
-        update = UpdateConfig(
-            grpo=grpo,
-            temperature=s.temperature,
-            micro_batch_size=o.micro_batch_size,
-            max_grad_norm=o.max_grad_norm,
-            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
-            lm_head_chunk=o.lm_head_chunk,
-            dtype=self.compute_dtype,
-        )
         self.runner = StepRunner(
             self.model,
             self.optimizer,
@@ -138,12 +129,13 @@ class TrainerService:
             self.store,
             self.ledger,
             self.metrics,
-            update,
+            update_config(config),
             config.groups_per_step,
             config.max_staleness,
             self.distill,
             self.data.stop_ids,
             self._exact_alpha() if config.alpha == "exact" else None,
+            self.leader,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._http = None
@@ -215,6 +207,7 @@ class TrainerService:
 
     def publish(self, version: int) -> None:
         """Publish the current policy as `version` (every rank gathers; this one process writes)."""
+        self.leader.order(PUBLISH)
         state = cast_state(gather_policy_state(self.model), SERVING_DTYPES[self.serving_dtype])
         publish_policy(
             self.weights,
@@ -321,6 +314,7 @@ class TrainerService:
     def checkpoint(self) -> None:
         """Save a checkpoint, then compact what every kept checkpoint records as finished."""
         self.state.feeder = self.feeder.state()
+        self.leader.order(CHECKPOINT, self.state.step)
         self.checkpoints.save(self.model, self.optimizer, self.state, self._checkpoint_parts())
         self._last_checkpoint_step = self.state.step
         oldest = self.checkpoints.oldest_state()
@@ -343,6 +337,8 @@ class TrainerService:
         try:
             if self._checkpoint_on_stop and self._last_checkpoint_step != self.state.step:
                 self.checkpoint()
+            if self._checkpoint_on_stop:  # a clean stop; after a failure torchrun ends the other ranks
+                self.leader.order(STOP)
         finally:
             self.weights.close()
             if self._server is not None:

@@ -34,6 +34,7 @@ from trainer.scoring import Scorer
 
 if TYPE_CHECKING:
     from services.trainer.distill_step import DistillStep
+    from services.trainer.ranks import Leader
 
 log = logging.getLogger("sparrow.trainer.step")
 
@@ -125,6 +126,7 @@ class StepRunner:
         distill: DistillStep | None = None,
         stop_ids: tuple[int, ...] = (),
         exact: ExactAlpha | None = None,
+        leader: Leader | None = None,
     ) -> None:
         self.exact = exact  # the exact-alpha pass ([trainer] alpha = "exact"), None: the top-k bound only
         self.stop_ids = frozenset(stop_ids)  # where a sample may end before max_new_tokens
@@ -141,6 +143,7 @@ class StepRunner:
         self.max_staleness = max_staleness
         self.distill = distill  # trains the sparse actor's adapter after each dense update
         self._alpha_bins: set[int] = set()
+        self.leader = leader  # under torchrun: hands the batch to the other ranks
 
     def collect(self, policy_version: int) -> tuple[list[str] | None, list[str]]:
         """(the next batch's group ids or None when not enough are complete, groups dropped as stale now)."""
@@ -186,10 +189,13 @@ class StepRunner:
             rewards += group_rewards
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
         # Dense scores, alpha of the whole batch and the update; each rank its share when distributed.
-        _, acc, stats = learn(
-            self.model, self.optimizer, self.scorer, rollouts, torch.cat(advantages), self.update, self.exact
-        )
-        distilled = self.distill.run(step, rollouts, torch.cat(advantages)) if self.distill is not None else {}
+        adv = torch.cat(advantages)
+        if self.leader is not None:
+            from services.trainer.ranks import TRAIN
+
+            self.leader.order(TRAIN, (rollouts, adv))
+        _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, adv, self.update, self.exact)
+        distilled = self.distill.run(step, rollouts, adv) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail
         # Probe sequences ran at the controller's probe budgets: their tokens describe those budgets,

@@ -1,0 +1,217 @@
+"""The trainer service over several processes: rank 0 serves and decides, every other rank follows.
+
+Under torchrun, rank 0 is the trainer service as in one process: gRPC, feeder, store, ledger,
+metrics, publishing. Every rank (rank 0 too) holds its FSDP2 shard of the policy and of the
+optimizer. The other ranks do only what takes every rank: each waits for rank 0's next order (one
+broadcast) and carries it out:
+
+    train       the step's batch (each rollout's tokens, rollout logprobs, top-k lists and budgets, and
+                the advantages): `trainer.rl_update.learn` on this rank's share -- dense scores (the old
+                logprobs), alpha and the update, the loss normalised by the global token count
+    publish     the gather of the full weights that rank 0 writes
+    checkpoint  this rank's shards of the step's DCP checkpoint
+    idle        nothing: rank 0 is waiting for rollouts, and says so well within the collective timeout
+    stop        exit cleanly (rank 0 has checkpointed)
+
+Rank 0 gives an order right before the collectives it starts, so every rank enters the same
+collectives in the same order. A rank that dies makes the next collective fail on the others
+within `distributed.timeout_s`, and torchrun ends the rest: the trainer exits non-zero and a
+restart resumes from the last checkpoint (trained groups are in its meta, never trained twice).
+
+DistillSparse's actor shares the policy's tensors, which two FSDP trees cannot (trainer/distributed.py):
+it runs in one trainer process only, and a config that asks for it with several is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.trainer.config import TrainerServiceConfig
+from trainer import distributed
+
+if TYPE_CHECKING:
+    from trainer.rl_update import UpdateConfig
+
+log = logging.getLogger("sparrow.trainer.ranks")
+
+TRAIN, PUBLISH, CHECKPOINT, IDLE, STOP = "train", "publish", "checkpoint", "idle", "stop"
+
+
+class RankSetupError(ValueError):
+    """The config cannot run on this many ranks; one line."""
+
+
+def check_world(config: TrainerServiceConfig, world: int) -> None:
+    """RankSetupError when `config` cannot train on `world` ranks (checked before any rank joins a group)."""
+    if world < 1:
+        raise RankSetupError(f"the trainer needs at least 1 process, got a world size of {world}")
+    if world > 1 and config.distill.enabled:
+        raise RankSetupError(
+            f"distill.enabled trains the DistillSparse adapter in one trainer process; {world} processes were asked for"
+        )
+    if world > 1 and config.alpha == "exact":  # the other ranks' steps run no sparse forward to pair with it
+        raise RankSetupError(f'alpha = "exact" runs in one trainer process; {world} processes were asked for')
+    samples = config.groups_per_step * config.sampling.n
+    if config.distributed.even_shares and samples % world:
+        raise RankSetupError(
+            f"distributed.even_shares: a step's {samples} samples (groups_per_step {config.groups_per_step} x "
+            f"sampling.n {config.sampling.n}) do not divide over {world} trainer processes"
+        )
+
+
+def build_policy(config: TrainerServiceConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The policy (FSDP2-sharded over the ranks when distributed) and its AdamW, as every rank builds them."""
+    from trainer.model_io import load_model
+
+    model = load_model(config.model_dir, config.device)
+    if distributed.active():
+        dtype = getattr(torch, config.dtype)
+        distributed.shard(model, None if dtype == torch.float32 else dtype)
+    o = config.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+    return model, optimizer
+
+
+def update_config(config: TrainerServiceConfig) -> UpdateConfig:
+    """How every rank's update runs: the loss's knobs, temperature, micro-batches, LM-head chunk, dtype."""
+    from trainer.grpo import GRPOConfig
+    from trainer.rl_update import UpdateConfig
+
+    g, o = config.grpo, config.optim
+    return UpdateConfig(
+        grpo=GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap),
+        temperature=config.sampling.temperature,
+        micro_batch_size=o.micro_batch_size,
+        max_grad_norm=o.max_grad_norm,
+        max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+        lm_head_chunk=o.lm_head_chunk,
+        dtype=getattr(torch, config.dtype),
+    )
+
+
+def apply_optim_settings(config: TrainerServiceConfig, optimizer: torch.optim.Optimizer) -> None:
+    """The config's optimizer settings over a resumed checkpoint's (on every rank alike)."""
+    o = config.optim
+    for group in optimizer.param_groups:
+        group.update(lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
+
+
+class Leader:
+    """Rank 0's side: each order goes to every other rank right before the collectives it starts.
+
+    Orders travel on a group of their own (`trainer.distributed.control_group`). While rank 0 waits
+    for rollouts or scores rewards, a thread of its own sends idle orders every quarter of the
+    timeout, so the others' wait for the next order never times out while rank 0 lives, and the
+    model's collectives keep the short timeout. One process (not distributed): every call does nothing.
+    """
+
+    def __init__(self, timeout_s: float) -> None:
+        self.group = distributed.control_group(timeout_s) if distributed.active() else None
+        self.idle_every_s = timeout_s / 4
+        self._lock = threading.Lock()  # one broadcast at a time on the group, in order
+        self._stopped = threading.Event()
+        if self.group is not None:
+            threading.Thread(target=self._idle, name="rank-orders-idle", daemon=True).start()
+
+    def order(self, kind: str, payload: object = None) -> None:
+        """Tell every other rank what comes next (stop: the last order)."""
+        if self.group is None:
+            return
+        with self._lock:
+            if self._stopped.is_set():
+                raise RuntimeError(f"order {kind!r} after stop")
+            if kind == STOP:
+                self._stopped.set()
+            distributed.broadcast_object((kind, payload), group=self.group)
+
+    def _idle(self) -> None:
+        while not self._stopped.wait(self.idle_every_s):
+            try:
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    distributed.broadcast_object((IDLE, None), group=self.group)
+            except Exception as exc:  # a rank is gone: the step's next collective fails on it too
+                log.error("a rank no longer takes orders (%s); the trainer ends at its next step", _first_line(exc))
+                return
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class _Orders:
+    """A rank's incoming orders: a thread takes each broadcast as it comes (idle ones dropped)."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._take, name="rank-orders", daemon=True).start()
+
+    def _take(self) -> None:
+        while True:
+            try:
+                kind, payload = distributed.broadcast_object(None, group=self.group)
+            except Exception as exc:  # rank 0 is gone (or silent past the timeout)
+                self.queue.put((_LOST, _first_line(exc)))
+                return
+            if kind != IDLE:
+                self.queue.put((kind, payload))
+            if kind == STOP:
+                return
+
+    def next(self) -> tuple[str, object]:
+        return self.queue.get()
+
+
+_LOST = "lost"
+
+
+def follow(config: TrainerServiceConfig) -> int:
+    """A rank other than 0: build its shard, resume it, carry out rank 0's orders until stop. Returns the steps."""
+    from services.trainer.checkpoint import CheckpointManager, TrainState
+    from services.trainer.weights import gather_policy_state
+    from trainer.rl_update import learn
+    from trainer.scoring import Scorer
+
+    # Rank 0 decides when to stop (after its checkpoint, which takes this rank too); torchrun passes
+    # SIGTERM on to every rank, and this one must not leave before that checkpoint.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    me = distributed.rank()
+    orders = _Orders(distributed.control_group(config.distributed.timeout_s))  # as rank 0's Leader, first
+    torch.set_num_threads(config.threads)
+    model, optimizer = build_policy(config)
+    checkpoints = CheckpointManager(Path(config.run_dir) / "checkpoints", config.checkpoint.keep)
+    resumed = checkpoints.load_latest(model, optimizer)
+    apply_optim_settings(config, optimizer)
+    update = update_config(config)
+    scorer = Scorer(model, chunk=update.lm_head_chunk, dtype=update.dtype)
+    steps = 0
+    start = resumed.step if resumed else 0
+    log.info("rank %d of %d follows rank 0 (from step %d)", me, distributed.world_size(), start)
+    while True:
+        kind, payload = orders.next()
+        if kind == TRAIN:
+            rollouts, advantages = payload
+            learn(model, optimizer, scorer, rollouts, advantages, update)
+            steps += 1
+        elif kind == PUBLISH:
+            gather_policy_state(model)  # the full tensors land on rank 0 only
+        elif kind == CHECKPOINT:
+            checkpoints.save(model, optimizer, TrainState(run_id="", step=int(payload)))
+        elif kind == STOP:
+            log.info("rank %d stops after %d step(s)", me, steps)
+            return steps
+        elif kind == _LOST:
+            raise RuntimeError(f"rank {me}: rank 0 gave no order within the timeout ({payload})")
+        else:
+            raise RuntimeError(f"rank {me}: unknown order {kind!r} from rank 0")
