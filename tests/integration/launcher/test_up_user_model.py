@@ -8,15 +8,18 @@ every group, evaluation before step 1 and after step 2, and an export that trans
 """
 
 import json
+import urllib.parse
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.launcher.history import read_history
+from services.launcher.history import read_eval_history, read_history
 from tests.cli_runner import sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from tests.integration.launcher.helpers import UpProcess
+from tests.servers import prometheus_server
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +35,14 @@ def _math_rows(count, split):
         }
         for i in range(count)
     ]
+
+
+def _samples(prometheus: str, selector: str) -> list[float]:
+    """Every value Prometheus holds for `selector` over the last hour (raw samples of a range vector)."""
+    query = urllib.parse.urlencode({"query": f"{selector}[1h]"})
+    with urllib.request.urlopen(f"{prometheus}/api/v1/query?{query}", timeout=10) as resp:
+        result = json.loads(resp.read())["data"]["result"]
+    return [float(v) for series in result for _, v in series["values"]]
 
 
 def test_user_model_data_reward_eval_and_export(tmp_path):
@@ -93,6 +104,17 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
     for e in evals:
         figures = e["sources"]["toy/arith"]
         assert figures["prompts"] == 3 and {"avg@2", "pass@1", "pass@2"} <= set(figures)
+    # ... in the run's metrics history, dense (eval.dense, the default), as the trainer reported them ...
+    eval_rows = read_eval_history(run_dir)
+    assert [(r["round"], r["step"], r["dense"]) for r in eval_rows] == [(0, 0, True), (1, 2, True)]
+    assert [r["sources"] for r in eval_rows] == [e["sources"] for e in evals]
+    # ... and in Prometheus: what the run's own Prometheus scraped, read back from its storage.
+    with prometheus_server({"none": ["127.0.0.1:1"]}, data_dir=run_dir / "prometheus" / "data") as prom:
+        avg = _samples(prom.url, 'sparrow_trainer_eval_avg_reward{source="toy/arith"}')
+        passed = _samples(prom.url, 'sparrow_trainer_eval_pass_ratio{source="toy/arith",k="2"}')
+    for seen, key in ((avg, "avg@2"), (passed, "pass@2")):
+        figures = [e["sources"]["toy/arith"][key] for e in evals]
+        assert seen and set(seen) <= set(figures) and figures[0] in seen  # round 0's, scraped during the steps
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Held-out evaluation" in report and (run_dir / "report" / "eval.png").is_file()
 
