@@ -2,9 +2,12 @@
 dataset in verl's Parquet shape, `sparrow up --model DIR --data train.parquet --eval-data test.parquet
 --reward math --steps 2` on vLLM, then `sparrow export`.
 
-The checkpoint's weights are random (no hub here): what is checked is the plumbing the issue lists, the
-chat-templated prompts token for token, stops at the eos ids or the length limit, the math reward on
-every group, evaluation before step 1 and after step 2, and an export that transformers loads in bf16.
+The checkpoint has Qwen3's vocabulary layout and size (151,643 BPE tokens, the added tokens from 151643
+on, an embedding of 151,936 rows) at a tiny hidden size; the other tests use the fixture's small
+vocabulary (this one costs about 50 s more with it). The weights are random (no hub here): what is
+checked is the plumbing the issue lists, the chat-templated prompts token for token, stops at the eos
+ids or the length limit, the math reward on every group, evaluation before step 1 and after step 2,
+and an export that transformers loads in bf16.
 """
 
 import json
@@ -48,7 +51,7 @@ def _samples(prometheus: str, selector: str) -> list[float]:
 def test_user_model_data_reward_eval_and_export(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = build_qwen3_checkpoint(tmp_path / "Qwen3-test")
+    model_dir = build_qwen3_checkpoint(tmp_path / "Qwen3-test", qwen3_vocab=True)
     train, test = tmp_path / "train.parquet", tmp_path / "test.parquet"
     pq.write_table(pa.Table.from_pylist(_math_rows(8, "train")), train)
     pq.write_table(pa.Table.from_pylist(_math_rows(3, "test")), test)
@@ -79,6 +82,7 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
 
     # The prompts the generators got are the chat-templated ones, token for token.
     tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) == 151_669 and json.loads((model_dir / "config.json").read_text())["vocab_size"] == 151_936
     rows = {r["extra_info"]["index"]: r for r in _math_rows(8, "train")}
     groups = [json.loads(line) for line in (run_dir / "trainer" / "groups.log").read_text().splitlines()]
     train_groups = [g["group"] for g in groups if g.get("kind") == "enqueued" and g["group"]["purpose"] == "train"]
@@ -124,4 +128,4 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert str(model.dtype) == "torch.bfloat16"
     assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
