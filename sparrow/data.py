@@ -2,17 +2,18 @@
 
 `load_samples` reads a training or evaluation source through the HF `datasets` library (local
 files only), in the row shapes of `sparrow/rows.py` (verl's, or plain prompt/answer rows).
-`load_prompts` reads a plain prompt file (a prompt string and an optional answer per row).
-Either way a row that does not fit is reported with its line number (JSONL) or row number
-(Parquet, from 1) and, by the caller's choice, skipped or made fatal; skipped rows come back with
-the rest, so nothing is dropped silently. A set left without rows is an error.
+`load_prompts` reads a plain prompt file (a prompt string and an optional answer per row): the
+same row parsing (`parse_row`, text prompts only) and the same bad-row loop (`_parse_rows`), over
+the file as it is (JSON values as written: an answer `4` stays "4", which a typed dataset column
+would turn into "4.0"). Either way a row that does not fit is reported with its line number (JSONL)
+or row number (Parquet, from 1) and, by the caller's choice, skipped or made fatal; skipped rows
+come back with the rest, so nothing is dropped silently. A set left without rows is an error.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,19 +76,41 @@ def load_prompts(
         records, unit = _parquet_records(file, prompt_field), "row"
     else:
         raise DataError(f"{file}: unknown prompt file type {suffix!r}; expected .jsonl or .parquet")
-    result = PromptSet(path=file, rows=[])
+    shape = RowShape(prompt_key=prompt_field, answer_key=answer_field, text_only=True)
+    hint = "pass on_bad_row='skip' / --on-bad-row skip to skip bad rows"
+    samples, skipped = _parse_rows(records, shape, file.stem, unit, on_bad_row, hint, where=f"{file} ")
+    if not samples:
+        raise DataError(f"{file}: no prompts in the file{_skipped_note(skipped)}")
+    return PromptSet(file, [PromptRow(s.prompt, s.ground_truth, s.row) for s in samples], skipped)
+
+
+def _parse_rows(
+    records: Iterable[tuple[int, Record]],
+    shape: RowShape,
+    default_source: str,
+    unit: str,
+    on_bad_row: str,
+    hint: str,
+    file: str = "",
+    where: str = "",
+) -> tuple[list[Sample], list[BadRow]]:
+    """Each record as a Sample (`parse_row`); a bad one raises DataError ("{where}{bad row} ({hint})") under
+    on_bad_row "stop", else is reported in the list of skipped rows."""
+    samples: list[Sample] = []
+    skipped: list[BadRow] = []
     for line, record in records:
-        row = _parse_row(line, record, prompt_field, answer_field, unit)
-        if isinstance(row, PromptRow):
-            result.rows.append(row)
+        row = parse_row(record, line, shape, default_source, unit, file)
+        if isinstance(row, Sample):
+            samples.append(row)
         elif on_bad_row == "stop":
-            raise DataError(f"{file} {row} (pass on_bad_row='skip' / --on-bad-row skip to skip bad rows)")
+            raise DataError(f"{where}{row} ({hint})")
         else:
-            result.skipped.append(row)
-    if not result.rows:
-        note = f" ({len(result.skipped)} bad rows skipped, the first at {result.skipped[0]})" if result.skipped else ""
-        raise DataError(f"{file}: no prompts in the file{note}")
-    return result
+            skipped.append(row)
+    return samples, skipped
+
+
+def _skipped_note(skipped: list[BadRow]) -> str:
+    return f" ({len(skipped)} bad rows skipped, the first at {skipped[0]})" if skipped else ""
 
 
 # A record is what a row holds before checking: a decoded JSON value, or a BadRow when decoding failed.
@@ -126,36 +149,6 @@ def _parquet_records(file: Path, prompt_field: str) -> list[tuple[int, Record]]:
     if prompt_field not in table.column_names:
         raise DataError(f"{file}: no {prompt_field!r} column (columns: {', '.join(table.column_names)})")
     return list(enumerate(table.to_pylist(), start=1))
-
-
-def _parse_row(line: int, record: Record, prompt_field: str, answer_field: str, unit: str) -> PromptRow | BadRow:
-    if isinstance(record, BadRow):
-        return record
-    bad = functools.partial(BadRow, line, unit=unit)
-    if not isinstance(record, dict):
-        return bad(f"expected an object with a {prompt_field!r} field, got {type(record).__name__}")
-    if prompt_field not in record:
-        return bad(f"missing field {prompt_field!r}")
-    prompt = record[prompt_field]
-    if not isinstance(prompt, str) or not prompt.strip():
-        return bad(f"field {prompt_field!r} must be a non-empty string, got {_describe(prompt)}")
-    answer = record.get(answer_field)
-    if answer is not None:
-        # bool is an int subclass, and NaN/inf are no answer anyone can match
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-            return bad(f"field {answer_field!r} must be a string or a number, got {_describe(answer)}")
-        if isinstance(answer, float) and not math.isfinite(answer):
-            return bad(f"field {answer_field!r} is {answer}")
-        answer = str(answer)
-    return PromptRow(prompt=prompt, answer=answer, line=line)
-
-
-def _describe(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, str):
-        return "a blank string"
-    return type(value).__name__
 
 
 @dataclass
@@ -209,17 +202,13 @@ def load_samples(
             raise DataError(
                 f"{file}: no prompt column {shape.prompt_key!r} (columns: {', '.join(columns)}); set prompt_key"
             )
-        for line, record in records:
-            row = parse_row(record, line, shape, default_source, unit, str(file))
-            if isinstance(row, Sample):
-                result.samples.append(row)
-            elif on_bad_row == "stop":
-                raise DataError(f"{row} (on_bad_row = 'skip' skips bad rows)")
-            else:
-                result.skipped.append(row)
+        samples, skipped = _parse_rows(
+            records, shape, default_source, unit, on_bad_row, "on_bad_row = 'skip' skips bad rows", str(file)
+        )
+        result.samples += samples
+        result.skipped += skipped
     if not result.samples:
-        note = f" ({len(result.skipped)} bad rows skipped, the first at {result.skipped[0]})" if result.skipped else ""
-        raise DataError(f"{src}: no usable rows{note}")
+        raise DataError(f"{src}: no usable rows{_skipped_note(result.skipped)}")
     return result
 
 

@@ -26,6 +26,7 @@ class RowShape:
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     answer_extraction: str = "none"  # "gsm8k": the text after the last `####`, thousands commas dropped
+    text_only: bool = False  # prompts must be strings, chat messages refused (raw-text prompt files)
 
     def __post_init__(self) -> None:
         if self.answer_extraction not in ANSWER_EXTRACTIONS:
@@ -79,7 +80,7 @@ def parse_row(
         return bad(f"expected an object with a {shape.prompt_key!r} field, got {type(record).__name__}")
     if shape.prompt_key not in record:
         return bad(f"missing field {shape.prompt_key!r}")
-    prompt, error = _prompt(record[shape.prompt_key])
+    prompt, error = _prompt(record[shape.prompt_key], shape.text_only)
     if error:
         return bad(f"field {shape.prompt_key!r} {error}")
     answer = _answer(record, shape)
@@ -100,12 +101,12 @@ def parse_row(
     )
 
 
-def _prompt(value: Any) -> tuple[str | tuple[dict[str, str], ...], str]:
-    """(the prompt text or messages, "") or (None, what is wrong)."""
-    wanted = "must be a non-empty string or chat messages"
+def _prompt(value: Any, text_only: bool = False) -> tuple[str | tuple[dict[str, str], ...], str]:
+    """(the prompt text or messages, "") or ("", what is wrong); `text_only`: messages are wrong too."""
+    wanted = "must be a non-empty string" if text_only else "must be a non-empty string or chat messages"
     if isinstance(value, str):
         return (value, "") if value.strip() else ("", f"{wanted}, got a blank string")
-    if isinstance(value, list | tuple):
+    if isinstance(value, list | tuple) and not text_only:
         messages = []
         for i, m in enumerate(value):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):

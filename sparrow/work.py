@@ -48,7 +48,9 @@ class PromptGroup:
     """`n` samples to draw from one prompt, for the policy version `policy_version`.
 
     `attempt` counts deliveries that ended in a rejection or an error (0 on the first try); the
-    generator's retry policy compares it to its limit before dead-lettering the group.
+    generator's retry policy compares it to its limit before dead-lettering the group. `dense`: the
+    samples decode with dense attention whatever the generator's schedule (evaluation rounds), beside
+    the others in its batch.
     """
 
     group_id: str
@@ -59,10 +61,13 @@ class PromptGroup:
     created_at: float = 0.0
     attempt: int = 0
     prompt_text: str = ""
+    dense: bool = False
 
     def to_json(self) -> str:
         d = asdict(self)
         d["prompt_token_ids"] = list(self.prompt_token_ids)
+        if not self.dense:  # absent unless set: a training group reads as it did before the field existed
+            del d["dense"]
         return json.dumps(d, separators=(",", ":"))
 
     def to_fields(self) -> dict[str, str]:
@@ -105,6 +110,7 @@ class PromptGroup:
             "created_at",
             "attempt",
             "prompt_text",
+            "dense",
         }
         unknown = set(d) - known
         if unknown:
@@ -132,6 +138,9 @@ class PromptGroup:
         text = d.get("prompt_text", "")
         if not isinstance(text, str):
             raise WorkItemError(f"group {gid}: prompt_text must be a string")
+        dense = d.get("dense", False)
+        if not isinstance(dense, bool):
+            raise WorkItemError(f"group {gid}: dense must be true or false")
         return cls(
             group_id=gid,
             prompt_token_ids=tuple(ids),
@@ -141,6 +150,7 @@ class PromptGroup:
             created_at=float(created),
             attempt=attempt,
             prompt_text=text,
+            dense=dense,
         )
 
 

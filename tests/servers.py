@@ -139,10 +139,13 @@ def prometheus_config(
 
 @contextmanager
 def prometheus_server(
-    scrape_targets: dict[str, list[str]] | list[str], scrape_interval: str = "1s", rule_files: Sequence[Path] = ()
+    scrape_targets: dict[str, list[str]] | list[str],
+    scrape_interval: str = "1s",
+    rule_files: Sequence[Path] = (),
+    data_dir: Path | None = None,
 ) -> Iterator[Server]:
-    """A real Prometheus scraping `scrape_targets` and evaluating `rule_files`, with its TSDB in a temp dir;
-    `url` is its HTTP API base."""
+    """A real Prometheus scraping `scrape_targets` and evaluating `rule_files`, with its TSDB in a temp dir
+    (or in `data_dir`: a finished run's, to query what it recorded); `url` is its HTTP API base."""
     binary = require_binary("prometheus")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="sparrow-prometheus-") as tmp:
@@ -151,9 +154,9 @@ def prometheus_server(
         cmd = [
             binary,
             f"--config.file={config}",
-            f"--storage.tsdb.path={Path(tmp) / 'data'}",
+            f"--storage.tsdb.path={data_dir or Path(tmp) / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
-            "--storage.tsdb.retention.time=1h",
+            "--storage.tsdb.retention.time=1h" if data_dir is None else "--storage.tsdb.retention.time=30d",
             "--log.level=warn",
         ]
         url = f"http://127.0.0.1:{port}"

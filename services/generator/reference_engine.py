@@ -111,6 +111,8 @@ class ReferenceEngine(RolloutEngine):
         max_new = min(s.max_new_tokens, self.max_model_len - plen)
         schedule, versions = self._schedule, self._versions
         plan = self.probe_plan
+        if group.dense:  # evaluation: dense attention whatever the schedule, and never a probe
+            schedule, plan = None, None
         # Which of the group's samples are probes: decoded at the plan's budgets (fixed for the group:
         # this engine takes a new probe or schedule between groups).
         probing = torch.tensor(

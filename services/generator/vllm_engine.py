@@ -6,6 +6,10 @@ steps applies to every token of the next one, and the budget each token was prod
 here without asking the workers. Schedules and weights reach the worker through the plugin's worker
 extension (`collective_rpc` by method name), which also works with multi-process executors.
 
+A group marked `dense` (evaluation) decodes densely in every layer whatever the schedule, beside
+the others in the same batch: its request ids carry `DENSE_PREFIX`, which the attention layers
+tell apart (`sparrow_track_rows`); its samples report budget 0 throughout.
+
 Outputs stream as deltas (one new token per sequence per step), with flat logprobs: the sampled
 token's raw logprob first, then the top-k in rank order.
 """
@@ -28,7 +32,7 @@ from services.generator.engine import (
     RolloutEngine,
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
-from services.generator.plugin.scheduled_decode import PROBE_PREFIX
+from services.generator.plugin.scheduled_decode import DENSE_PREFIX, PROBE_PREFIX
 from services.generator.weight_checks import check_adapter, check_policy, check_policy_names, checkpoint_layout
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
@@ -133,6 +137,8 @@ class VllmEngine(RolloutEngine):
         if len(layers) != 1:  # a worker without the plugin would decode densely while the others do not
             raise EngineError(f"the workers run the project's attention in differing numbers of layers: {layers}")
         self.sparse_layers = int(layers.pop())
+        # Whether the layers tell rows of dense groups apart (without the plugin every row is dense anyway).
+        self._dense_rows = not self.sparse_layers or int(self._rpc("sparrow_track_rows")) > 0
         self._sequences: dict[str, _Sequence] = {}
         self._by_group: dict[str, list[str]] = {}
         self._versions = EngineVersions()
@@ -250,6 +256,8 @@ class VllmEngine(RolloutEngine):
         s = group.sampling
         if group.n < 1:  # a group of no samples would never finish
             raise EngineError(f"group {group.group_id}: n must be at least 1, got {group.n}")
+        if group.dense and not self._dense_rows:
+            raise EngineError(f"group {group.group_id}: this engine's attention layers cannot decode a group densely")
         if len(group.prompt_token_ids) + s.max_new_tokens > self.config.max_model_len:
             raise EngineError(
                 f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens ({s.max_new_tokens}) "
@@ -279,15 +287,16 @@ class VllmEngine(RolloutEngine):
             raise EngineError(f"group {group.group_id}: vLLM refused its sampling settings: {exc}") from None
         now = time.time()
         keys = [f"{group.group_id}#{group.attempt}#{i}" for i in range(group.n)]
-        if any(prefix + key in self._sequences for key in keys for prefix in (PROBE_PREFIX, _SEQUENCE_PREFIX)):
+        prefixes = (PROBE_PREFIX, DENSE_PREFIX, _SEQUENCE_PREFIX)
+        if any(prefix + key in self._sequences for key in keys for prefix in prefixes):
             raise EngineError(f"group {group.group_id} attempt {group.attempt} is already being generated")
         self._expire_probe()
         ids = []
         for i, key in enumerate(keys):
             # External ids (vLLM adds its own suffix internally; outputs and aborts use these). The
-            # attention layers tell probe rows by the prefix; every other id starts otherwise.
-            probe = self._plan is not None and self._probe_share.take(self._plan.share)
-            rid = (PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
+            # attention layers tell probe and dense rows by the prefix; every other id starts otherwise.
+            probe = not group.dense and self._plan is not None and self._probe_share.take(self._plan.share)
+            rid = (DENSE_PREFIX if group.dense else PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
             try:
                 self._engine.add_request(
                     rid, {"prompt_token_ids": list(group.prompt_token_ids)}, params, lora_request=self._lora
@@ -319,7 +328,7 @@ class VllmEngine(RolloutEngine):
             if not seq.started:
                 seq.started = started
             completion = out.outputs[0]
-            self._append(seq, completion, schedule, plan if seq.probe else None)
+            self._append(seq, completion, None if seq.group.dense else schedule, plan if seq.probe else None)
             if out.finished:
                 reason = FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH
                 if completion.finish_reason == "abort":

@@ -6,6 +6,11 @@ generators' counters (tokens, engine time, versions), the schedule in force (Red
 its predicted speedup, and PromQL's p5 per bin (what the controller acts on). The progress view,
 `--json` and the report all read these rows and nothing else.
 
+Evaluation rounds (trainer/evals.jsonl) get rows of their own in the same file, `"kind": "eval"`,
+in the order they ended among the step rows: the round, the step it ran after (0: before the first),
+the policy version, whether it decoded densely, and avg@k/pass@k per source. `read_history` gives
+the step rows, `read_eval_history` the eval rows.
+
 Throughput is measured between two rows: `tokens_per_s` is generated tokens per wall second (all
 generators), `rollout_tokens_per_s` is tokens per second of engine step time summed over generators
 (what the cluster generates while generating, whatever the trainer's pace).
@@ -23,6 +28,7 @@ from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, 
 
 HISTORY_FILE = "metrics.jsonl"
 STEPS_FILE = "steps.jsonl"  # written by the trainer in its run folder
+EVAL_KIND = "eval"  # the kind of a history row of an evaluation round (step rows have no kind)
 
 
 @dataclass
@@ -38,6 +44,7 @@ class HistorySources:
     initial_schedule: dict | None  # the fixed schedule (None: dense)
     follow_redis: bool  # the schedule in Redis governs (False: dense or fixed)
     speedup_of: Callable[[dict | None], float | None]  # the cost model's prediction for a schedule
+    evals_file: Path | None = None  # the trainer's evaluation rounds (None: none are followed)
 
 
 class History:
@@ -48,13 +55,22 @@ class History:
         self.sources = sources
         self.started = time.time()
         self._offset = 0  # bytes of steps.jsonl consumed
+        self._evals_offset = 0  # bytes of evals.jsonl consumed
+        self.eval_rows: list[dict] = []
         self._last: dict[str, GeneratorSample] = {}
         self._last_time = time.monotonic()
         self.rows: list[dict] = []
         self.generator_versions: dict[str, int] = {}  # newest policy version each generator served
 
     def poll(self) -> list[dict]:
-        """Rows for the steps the trainer finished since the last call."""
+        """Rows for the steps the trainer finished since the last call (evaluation rounds that ended since
+        are written to the file too, before those steps' rows, and kept in `eval_rows`)."""
+        evals = [self._eval_row(r) for r in self._new_lines("_evals_offset", self.sources.evals_file, "round")]
+        if evals:
+            with self.path.open("a") as f:
+                for row in evals:
+                    f.write(json.dumps(row) + "\n")
+            self.eval_rows += evals
         steps = self._new_steps()
         if not steps:
             return []
@@ -79,23 +95,45 @@ class History:
         return dict(self.generator_versions)
 
     def _new_steps(self) -> list[dict]:
+        return self._new_lines("_offset", self.sources.steps_file, "step")
+
+    def _new_lines(self, offset_attr: str, path: Path | None, key: str) -> list[dict]:
+        """The records appended to `path` since the last call (those with an integer `key`)."""
+        if path is None:
+            return []
         try:
-            with self.sources.steps_file.open("rb") as f:
-                f.seek(self._offset)
+            with path.open("rb") as f:
+                f.seek(getattr(self, offset_attr))
                 data = f.read()
         except FileNotFoundError:
             return []
         end = data.rfind(b"\n") + 1  # a line the trainer is still writing waits for the next poll
-        self._offset += end
-        steps = []
+        setattr(self, offset_attr, getattr(self, offset_attr) + end)
+        records = []
         for line in data[:end].splitlines():
             try:
-                step = json.loads(line)
+                record = json.loads(line)
             except ValueError:
-                continue  # not a step record: skipped rather than stopping the run
-            if isinstance(step, dict) and isinstance(step.get("step"), int):
-                steps.append(step)
-        return steps
+                continue  # not a record: skipped rather than stopping the run
+            if isinstance(record, dict) and isinstance(record.get(key), int) and isinstance(record.get("step", 0), int):
+                records.append(record)
+        return records
+
+    def _eval_row(self, rnd: dict) -> dict:
+        return {
+            "kind": EVAL_KIND,
+            "step": rnd.get("step", 0),
+            "round": rnd["round"],
+            "time": time.time(),
+            "elapsed_s": round(time.time() - self.started, 3),
+            "policy_version": rnd.get("policy_version"),
+            "k": rnd.get("k"),
+            "dense": rnd.get("dense"),
+            "complete": rnd.get("complete"),
+            "prompts": rnd.get("prompts"),
+            "sources": rnd.get("sources", {}),
+            "eval_seconds": rnd.get("seconds"),
+        }
 
     def _throughput(self) -> dict:
         now = time.monotonic()
@@ -188,7 +226,17 @@ def _delta(now: float, before: float) -> float:
 
 
 def read_history(run_dir: Path) -> list[dict]:
-    """The rows of a run's metrics history (a torn last line, or any line that is not a step record, is skipped)."""
+    """The step rows of a run's metrics history (a torn last line, or any line that is not a step record, is
+    skipped; evaluation rows are `read_eval_history`'s)."""
+    return [row for row in _rows(run_dir) if row.get("kind") is None]
+
+
+def read_eval_history(run_dir: Path) -> list[dict]:
+    """The evaluation rows of a run's metrics history, in the order the rounds ended."""
+    return [row for row in _rows(run_dir) if row.get("kind") == EVAL_KIND]
+
+
+def _rows(run_dir: Path) -> list[dict]:
     rows = []
     path = run_dir / HISTORY_FILE
     if not path.exists():

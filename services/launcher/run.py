@@ -26,7 +26,7 @@ from pathlib import Path
 from services.launcher.accounting import WORK_FILE, account
 from services.launcher.cluster import Cluster, StartError, describe_exit
 from services.launcher.config import UpConfig
-from services.launcher.eval_report import read_evals
+from services.launcher.eval_report import EVALS_FILE, read_evals
 from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
 from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
@@ -201,6 +201,7 @@ class UpRun:
                 initial_schedule=None if up.dense else json.loads(p.schedule.to_json()),
                 follow_redis=not up.dense,
                 speedup_of=speedup_function(p),
+                evals_file=p.run_dir / "trainer" / EVALS_FILE,
             ),
         )
         last_step = time.monotonic()

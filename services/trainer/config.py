@@ -265,6 +265,11 @@ class EvalConfig(ConfigSection):
     timeout_s: float = Field(
         900.0, gt=0, description="A round still incomplete after this long is reported with what came back."
     )
+    dense: bool = Field(
+        True,
+        description="Eval samples decode with dense attention whatever the schedule (held-out accuracy unbiased by "
+        "sparsity); false: under the generators' current schedule, as the sparse actor samples.",
+    )
 
 
 class TrainerServiceConfig(SparrowConfig):

@@ -6,7 +6,9 @@ and the step never trains it. Rewards are computed in the reward pool as the sam
 every group is complete (or `timeout_s` has passed) the round reports avg@k and unbiased pass@k per
 source: Prometheus gauges, one line of evals.jsonl in the run dir, and the log. Rounds run before
 the first step, every `every` steps and after the last step; training goes on while they generate.
-The samples come from the generators as they are: under the current schedule unless the run is dense.
+The samples decode densely (`dense`, the default: the groups ask the generators for dense attention
+whatever their schedule, so a sparse schedule does not bias the held-out accuracy), or under the
+generators' current schedule, as the sparse actor samples.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ class Evaluator:
                     reward=self.data.rewards[sample.data_source],
                     extras=sample.extras,
                     purpose=EVAL,
+                    dense=self.config.dense,
                 )
                 self.feeder.add(record)
                 groups.append(record)
@@ -146,6 +149,7 @@ class Evaluator:
             "sample_policy_versions": [min(versions), max(versions)] if versions else [],
             "k": self.config.k,
             "complete": complete,
+            "dense": self.config.dense,
             "prompts": len(rnd.groups),
             "sources": sources,
             "seconds": round(time.monotonic() - rnd.started, 3),

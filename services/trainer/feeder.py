@@ -172,6 +172,7 @@ class Feeder:
             created_at=record.created_at,
             attempt=attempt,
             prompt_text=record.prompt_text,
+            dense=record.dense,
         )
         self._last_added = self.client.xadd(PROMPTS_STREAM, group.to_fields())
         self.ledger.mark_queued(record.group_id)

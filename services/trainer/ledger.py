@@ -53,6 +53,7 @@ class GroupRecord:
     reward: str = "chain"
     extras: dict = field(default_factory=dict)  # the row's extra_info, for the reward
     purpose: str = TRAIN  # or EVAL: a held-out prompt of an evaluation round, scored and never trained
+    dense: bool = False  # generated with dense attention whatever the schedule (evaluation rounds)
 
 
 class GroupLedger:

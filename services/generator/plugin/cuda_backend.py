@@ -86,6 +86,7 @@ class SparrowTritonMetadata(TritonAttentionMetadata):
     # Static decode (a step of pure decodes only): the engine's longest sequence and the probe-row mask.
     static_max_seq_len: int | None = None
     probe_rows: torch.Tensor | None = None
+    dense_rows: torch.Tensor | None = None  # rows of dense requests (ProbeRows.dense)
 
 
 def with_decode_split(
@@ -117,7 +118,10 @@ def with_static_decode(
     ids = ScheduledDecode.current_probe_row_ids()
     if ids is not None:
         probe_rows.write(ids[: metadata.num_decodes])
-    return replace(metadata, static_max_seq_len=max_seq_len, probe_rows=probe_rows.mask)
+    dense_ids = ScheduledDecode.current_dense_row_ids()
+    if dense_ids is not None:
+        probe_rows.write_dense(dense_ids[: metadata.num_decodes])
+    return replace(metadata, static_max_seq_len=max_seq_len, probe_rows=probe_rows.mask, dense_rows=probe_rows.dense)
 
 
 def prepare_static_layers(layers: Mapping[str, Any], max_seq_len: int) -> bool:
@@ -160,6 +164,7 @@ def prefill_rows(metadata: SparrowTritonMetadata) -> SparrowTritonMetadata:
         page_end_slots=None,
         static_max_seq_len=None,
         probe_rows=None,
+        dense_rows=None,
     )
 
 
@@ -348,8 +353,11 @@ class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):
         out = output[:rows].view(rows, self.num_heads, self.head_size)
         block_table, seq_lens = metadata.block_table[:rows], metadata.seq_lens[:rows]
         probe_rows = metadata.probe_rows[:rows]
+        dense_rows = metadata.dense_rows[:rows] if metadata.dense_rows is not None else None
         out.copy_(
-            self.static_decode_rows(q, k_cache, v_cache, block_table, seq_lens, metadata.static_max_seq_len, probe_rows)
+            self.static_decode_rows(
+                q, k_cache, v_cache, block_table, seq_lens, metadata.static_max_seq_len, probe_rows, dense_rows
+            )
         )
         return output
 

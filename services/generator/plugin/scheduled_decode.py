@@ -16,6 +16,11 @@ Probes: while a probe plan is set, rows whose request id carries `PROBE_PREFIX` 
 budget instead of the schedule's (same bins, sink and local blocks). Which request a row belongs to
 is read from the model runner's batch (`row_ids`, set with the plan), in row order.
 
+Dense rows: rows whose request id carries `DENSE_PREFIX` (evaluation samples) attend to every page
+in every layer, whatever the schedule or the probe, beside sparse rows in the same batch: their
+budget is their whole page count. Their ids come from `dense_row_ids`, which the worker installs
+once (`SparrowWorkerExtension.sparrow_track_rows`); without it no row is told apart.
+
 Static decode (`static_decode_rows`), for a step a CUDA graph captures once and replays at later
 steps: a replay repeats the capture's kernels with the capture's sizes, scalars and addresses, and
 runs no Python. So nothing may depend on the step's values but the device tensors' contents. The
@@ -47,6 +52,8 @@ from sparrow.schedule import Schedule, per_bin
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
 PROBE_PREFIX = "probe:"
+# Request ids of sequences decoded densely in every layer whatever the schedule (see module doc).
+DENSE_PREFIX = "dense:"
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 # A schedule's sink and local page counts when none is given.
@@ -109,32 +116,52 @@ class StaticBudgets:
             self.probe.copy_(pages.to(self.device))
         self.filled = key
 
-    def budgets(self, seq_lens: torch.Tensor, probe_rows: torch.Tensor) -> torch.Tensor:
-        """Each row's budget in pages: device lookups only (`probe_rows`: the rows' probe mask)."""
+    def budgets(
+        self, seq_lens: torch.Tensor, probe_rows: torch.Tensor, dense_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Each row's budget in pages: device lookups only (`probe_rows`, `dense_rows`: the rows' masks;
+        a dense row gets `max_pages`, every page it has)."""
         lens = seq_lens.long().clamp(0, self.max_seq_len)
-        return torch.where(probe_rows, self.probe[lens], self.pages[lens])
+        budgets = torch.where(probe_rows, self.probe[lens], self.pages[lens])
+        if dense_rows is not None:
+            budgets = torch.where(dense_rows, self.max_pages, budgets)
+        return budgets
 
 
 class ProbeRows:
-    """Which rows of the running batch are probe requests, as a device mask at a fixed address.
+    """Which rows of the running batch are probe requests (`mask`) and which dense ones (`dense`), as
+    device masks at fixed addresses.
 
-    The host writes it before each step (`write`, outside any graph: one non-blocking copy from
-    pinned memory); static decode reads it on the device. Rows past the batch read False.
+    The host writes them before each step (`write`, outside any graph: one non-blocking copy from
+    pinned memory each); static decode reads them on the device. Rows past the batch read False.
     """
 
     def __init__(self, capacity: int, device: torch.device) -> None:
         self.capacity = capacity
         self.mask = torch.zeros(capacity, dtype=torch.bool, device=device)
+        self.dense = torch.zeros(capacity, dtype=torch.bool, device=device)
 
     def write(self, row_ids: Sequence[str | None]) -> None:
+        """Mark the rows of probe requests in `mask`."""
+        self._write(self.mask, row_ids, PROBE_PREFIX)
+
+    def write_dense(self, row_ids: Sequence[str | None]) -> None:
+        """Mark the rows of dense requests in `dense`."""
+        self._write(self.dense, row_ids, DENSE_PREFIX)
+
+    def _write(self, target: torch.Tensor, row_ids: Sequence[str | None], prefix: str) -> None:
         if len(row_ids) > self.capacity:
             raise ValueError(f"{len(row_ids)} rows but the probe-row mask holds {self.capacity}")
-        flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in row_ids]
-        flags += [False] * (self.capacity - len(flags))
-        host = torch.tensor(flags, dtype=torch.bool)
-        if self.mask.device.type == "cuda":
+        host = torch.tensor(row_flags(row_ids, prefix, self.capacity), dtype=torch.bool)
+        if target.device.type == "cuda":
             host = host.pin_memory()
-        self.mask.copy_(host, non_blocking=True)
+        target.copy_(host, non_blocking=True)
+
+
+def row_flags(row_ids: Sequence[str | None], prefix: str, n: int) -> list[bool]:
+    """For each of `n` batch rows, whether its request id starts with `prefix` (rows past the ids: False)."""
+    flags = [rid is not None and rid.startswith(prefix) for rid in row_ids[:n]]
+    return flags + [False] * (n - len(flags))
 
 
 def layer_index_of(layer_name: str) -> int:
@@ -196,12 +223,15 @@ class ScheduledDecode:
     _budget_table: tuple[Schedule, torch.Tensor] | None = None
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
+    _dense_rows: tuple[tuple, torch.Tensor] | None = None
     # The last step's host plan, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds,
     # budgets, budgets by device).
     _last_plan: ClassVar[tuple | None] = None
     static: StaticBudgets | None = None  # this layer's tables, from its first static decode on
     # The request ids of the running batch's rows while a probe plan is set (the same for every layer).
     probe_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
+    # The request ids of the running batch's rows, always (the worker installs it): rows of dense requests.
+    dense_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense).
@@ -246,28 +276,37 @@ class ScheduledDecode:
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
         budgets = cached[1][bins]
-        if self.probe_pages is None or len(self.probe_pages) != s.num_bins:
-            return budgets
-        probing = self._probe_mask(seq_lens.shape[0] if rows is None else None, rows, seq_lens.device)
-        if probing is None:
-            return budgets
-        table = self._probe_table
-        if table is None or table[0] != self.probe_pages or table[1].device != seq_lens.device:
-            table = (self.probe_pages, to_device(list(self.probe_pages), torch.int64, seq_lens.device))
-            self._probe_table = table
-        return torch.where(probing, table[1][bins], budgets)
+        count = seq_lens.shape[0] if rows is None else None
+        if self.probe_pages is not None and len(self.probe_pages) == s.num_bins:
+            probing = self._probe_mask(count, rows, seq_lens.device)
+            if probing is not None:
+                table = self._probe_table
+                if table is None or table[0] != self.probe_pages or table[1].device != seq_lens.device:
+                    table = (self.probe_pages, to_device(list(self.probe_pages), torch.int64, seq_lens.device))
+                    self._probe_table = table
+                budgets = torch.where(probing, table[1][bins], budgets)
+        dense = self._dense_mask(count, rows, seq_lens.device)
+        if dense is not None:  # every page the row has
+            budgets = torch.where(dense, num_pages(seq_lens.long()), budgets)
+        return budgets
 
     def _probe_mask(self, count: int | None, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """True for the rows (the first `count` batch rows, or `rows`) of probe requests; None when there are none."""
-        ids = self.row_ids() if self.row_ids is not None else ()
+        return self._row_mask("_probe_rows", PROBE_PREFIX, self.row_ids, count, rows, device)
+
+    def _dense_mask(self, count: int | None, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """True for the rows (as in `_probe_mask`) of dense requests; None when there are none."""
+        return self._row_mask("_dense_rows", DENSE_PREFIX, ScheduledDecode.dense_row_ids, count, rows, device)
+
+    def _row_mask(self, attr: str, prefix: str, source, count, rows, device) -> torch.Tensor | None:
+        ids = source() if source is not None else ()
         n = count if rows is None else (int(rows.max()) + 1 if rows.numel() else 0)
         key = tuple(ids[:n])
-        cached = self._probe_rows
+        cached = getattr(self, attr)
         if cached is None or cached[0] != key or (cached[1] is not None and cached[1].device != device):
-            flags = [rid is not None and rid.startswith(PROBE_PREFIX) for rid in key]
-            flags += [False] * (n - len(flags))
+            flags = row_flags(key, prefix, n)
             cached = (key, to_device(flags, torch.bool, device) if any(flags) else None)
-            self._probe_rows = cached
+            setattr(self, attr, cached)
         mask = cached[1]
         if mask is None:
             return None
@@ -290,8 +329,11 @@ class ScheduledDecode:
         """
         s = self.schedule
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
-        ids = tuple(self.row_ids()[: seq_lens_cpu.shape[0]]) if probing and self.row_ids is not None else None
-        probe = (self.probe_pages, ids)
+        n = seq_lens_cpu.shape[0]
+        ids = tuple(self.row_ids()[:n]) if probing and self.row_ids is not None else None
+        source = ScheduledDecode.dense_row_ids
+        dense_ids = tuple(source()[:n]) if s is not None and source is not None else None
+        probe = (self.probe_pages, ids, dense_ids)
         last = ScheduledDecode._last_plan
         if last is None or last[0] is not seq_lens_cpu or last[1] is not s or last[2] != probe:
             lens = seq_lens_cpu.tolist()
@@ -303,6 +345,9 @@ class ScheduledDecode:
                 for r, rid in enumerate(ids or ()):
                     if rid is not None and rid.startswith(PROBE_PREFIX):
                         budgets[r] = self.probe_pages[bins[r]]
+                for r, rid in enumerate(dense_ids or ()):
+                    if rid is not None and rid.startswith(DENSE_PREFIX):
+                        budgets[r] = num_pages(lens[r])  # every page: the row attends to its whole context
                 bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
             last = (seq_lens_cpu, s, probe, bounds, budgets, {})
             ScheduledDecode._last_plan = last
@@ -322,11 +367,13 @@ class ScheduledDecode:
         seq_lens: torch.Tensor,
         max_seq_len: int,
         probe_rows: torch.Tensor,
+        dense_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`decode_rows` as a CUDA graph can capture it once and replay it at any later step (see module doc).
 
         `max_seq_len`: the longest sequence the engine admits (a row's length may not exceed it);
-        `probe_rows`: bool [rows], True for rows of probe requests (`ProbeRows.mask`). Rows of length
+        `probe_rows`: bool [rows], True for rows of probe requests (`ProbeRows.mask`); `dense_rows` likewise
+        for rows of dense requests (`ProbeRows.dense`; None: none). Rows of length
         0 (a graph's padding) attend to nothing. The Triton kernels only: no other backend is captured.
         The tables must exist before a graph captures this (`make_static_tables`). Scratch memory is
         the call's own, not the workspace's: a graph keeps what it allocated, while a workspace buffer
@@ -342,7 +389,7 @@ class ScheduledDecode:
             self.centroids,
             block_table,
             seq_lens,
-            st.budgets(seq_lens, probe_rows),
+            st.budgets(seq_lens, probe_rows, dense_rows),
             st.sink,
             st.local,
             self.scale,
@@ -373,6 +420,12 @@ class ScheduledDecode:
     def current_probe_row_ids() -> Sequence[str | None] | None:
         """The running batch's request ids in row order while a probe plan is set, else None."""
         source = ScheduledDecode.probe_row_ids
+        return None if source is None else source()
+
+    @staticmethod
+    def current_dense_row_ids() -> Sequence[str | None] | None:
+        """The running batch's request ids in row order once the worker tracks them (for dense rows), else None."""
+        source = ScheduledDecode.dense_row_ids
         return None if source is None else source()
 
     def decode_rows(

@@ -56,6 +56,16 @@ class SparrowWorkerExtension:
             impl.set_probe(pages, row_ids if pages is not None else None)
         return len(impls)
 
+    def sparrow_track_rows(self) -> int:
+        """Rows of dense requests (`scheduled_decode.DENSE_PREFIX`) decode densely from the next step on,
+        beside the others. Returns the layers that will; 0 where the runner has no persistent batch."""
+        runner = self.model_runner
+        if not hasattr(getattr(runner, "input_batch", None), "req_ids"):
+            return 0
+        # The batch's request ids in row order, as for probes (see sparrow_set_probe).
+        ScheduledDecode.dense_row_ids = lambda: runner.input_batch.req_ids
+        return len(self._sparrow_impls())
+
     def sparrow_attention_layers(self) -> int:
         """How many layers run the project's attention here."""
         return len(self._sparrow_impls())

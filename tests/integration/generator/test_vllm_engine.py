@@ -253,6 +253,38 @@ def test_probe_sequences_decode_at_the_probe_budgets_in_the_same_batch(engine):
         assert float((ref - torch.tensor(s.logprobs)).abs().max()) > 1e-2
 
 
+def test_a_dense_group_decodes_densely_beside_scheduled_ones_in_the_same_batch(engine):
+    """Evaluation samples (a group marked dense) attend to every page under a sparse schedule while the
+    batch's other rows follow it (the worker tells their rows by request id); each token matches the
+    trainer's scoring: dense for the dense group, under its reported budgets for the other."""
+    from trainer.model_io import load_model
+
+    schedule = Schedule(budgets=(48, 64, 80, 96), bin_width=128, version=31, name="eval-beside")
+    engine.set_schedule(schedule)
+    prompt = _prompt(11, 300)
+    scheduled = PromptGroup("ds", prompt, 2, 0, Sampling(max_new_tokens=40))
+    dense = PromptGroup("dd", prompt, 2, 0, Sampling(max_new_tokens=40), dense=True)
+    done = _run(engine, [scheduled, dense])
+    engine.set_schedule(None)
+    dense_out, sched_out = done[:2], done[2:]
+    assert [s.group_id for s in done] == ["dd", "dd", "ds", "ds"]
+    assert all(b == 0 for s in dense_out for b in s.kv_budgets) and not any(s.probe for s in dense_out)
+    assert all(0 < b < 300 for s in sched_out for b in s.kv_budgets[1:])  # selection really happened beside them
+    model = load_model(SMALL)
+    refs = _teacher_forced(model, dense_out) + _teacher_forced(model, sched_out, schedule)
+    for s, ref in zip(done, refs, strict=True):
+        diff = (ref - torch.tensor(s.logprobs)).abs().max()
+        assert float(diff) <= 1e-3, f"{s.group_id}/{s.sample_index}: max |engine - teacher-forced| = {float(diff):.2e}"
+
+    # Scored as if they had followed the schedule, the dense samples' logprobs differ: they really decoded densely.
+    def scheduled_budgets(s):
+        return [0] + [schedule.budget_for(300 + t) for t in range(1, len(s.token_ids))]
+
+    as_scheduled = [type(s)(**{**s.__dict__, "kv_budgets": scheduled_budgets(s)}) for s in dense_out]
+    for s, ref in zip(dense_out, _teacher_forced(model, as_scheduled, schedule), strict=True):
+        assert float((ref - torch.tensor(s.logprobs)).abs().max()) > 1e-2
+
+
 def test_policy_weights_and_adapter_load_without_restart(engine, tmp_path):
     from peft import LoraConfig, get_peft_model
 

@@ -2,21 +2,27 @@
 dataset in verl's Parquet shape, `sparrow up --model DIR --data train.parquet --eval-data test.parquet
 --reward math --steps 2` on vLLM, then `sparrow export`.
 
-The checkpoint's weights are random (no hub here): what is checked is the plumbing the issue lists, the
-chat-templated prompts token for token, stops at the eos ids or the length limit, the math reward on
-every group, evaluation before step 1 and after step 2, and an export that transformers loads in bf16.
+The checkpoint has Qwen3's vocabulary layout and size (151,643 BPE tokens, the added tokens from 151643
+on, an embedding of 151,936 rows) at a tiny hidden size; the other tests use the fixture's small
+vocabulary (this one costs about 50 s more with it). The weights are random (no hub here): what is
+checked is the plumbing the issue lists, the chat-templated prompts token for token, stops at the eos
+ids or the length limit, the math reward on every group, evaluation before step 1 and after step 2,
+and an export that transformers loads in bf16.
 """
 
 import json
+import urllib.parse
+import urllib.request
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.launcher.history import read_history
+from services.launcher.history import read_eval_history, read_history
 from tests.cli_runner import sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from tests.integration.launcher.helpers import UpProcess
+from tests.servers import prometheus_server
 
 pytestmark = pytest.mark.slow
 
@@ -34,10 +40,18 @@ def _math_rows(count, split):
     ]
 
 
+def _samples(prometheus: str, selector: str) -> list[float]:
+    """Every value Prometheus holds for `selector` over the last hour (raw samples of a range vector)."""
+    query = urllib.parse.urlencode({"query": f"{selector}[1h]"})
+    with urllib.request.urlopen(f"{prometheus}/api/v1/query?{query}", timeout=10) as resp:
+        result = json.loads(resp.read())["data"]["result"]
+    return [float(v) for series in result for _, v in series["values"]]
+
+
 def test_user_model_data_reward_eval_and_export(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = build_qwen3_checkpoint(tmp_path / "Qwen3-test")
+    model_dir = build_qwen3_checkpoint(tmp_path / "Qwen3-test", qwen3_vocab=True)
     train, test = tmp_path / "train.parquet", tmp_path / "test.parquet"
     pq.write_table(pa.Table.from_pylist(_math_rows(8, "train")), train)
     pq.write_table(pa.Table.from_pylist(_math_rows(3, "test")), test)
@@ -68,6 +82,7 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
 
     # The prompts the generators got are the chat-templated ones, token for token.
     tok = AutoTokenizer.from_pretrained(model_dir)
+    assert len(tok) == 151_669 and json.loads((model_dir / "config.json").read_text())["vocab_size"] == 151_936
     rows = {r["extra_info"]["index"]: r for r in _math_rows(8, "train")}
     groups = [json.loads(line) for line in (run_dir / "trainer" / "groups.log").read_text().splitlines()]
     train_groups = [g["group"] for g in groups if g.get("kind") == "enqueued" and g["group"]["purpose"] == "train"]
@@ -93,6 +108,17 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
     for e in evals:
         figures = e["sources"]["toy/arith"]
         assert figures["prompts"] == 3 and {"avg@2", "pass@1", "pass@2"} <= set(figures)
+    # ... in the run's metrics history, dense (eval.dense, the default), as the trainer reported them ...
+    eval_rows = read_eval_history(run_dir)
+    assert [(r["round"], r["step"], r["dense"]) for r in eval_rows] == [(0, 0, True), (1, 2, True)]
+    assert [r["sources"] for r in eval_rows] == [e["sources"] for e in evals]
+    # ... and in Prometheus: what the run's own Prometheus scraped, read back from its storage.
+    with prometheus_server({"none": ["127.0.0.1:1"]}, data_dir=run_dir / "prometheus" / "data") as prom:
+        avg = _samples(prom.url, 'sparrow_trainer_eval_avg_reward{source="toy/arith"}')
+        passed = _samples(prom.url, 'sparrow_trainer_eval_pass_ratio{source="toy/arith",k="2"}')
+    for seen, key in ((avg, "avg@2"), (passed, "pass@2")):
+        figures = [e["sources"]["toy/arith"][key] for e in evals]
+        assert seen and set(seen) <= set(figures) and figures[0] in seen  # round 0's, scraped during the steps
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Held-out evaluation" in report and (run_dir / "report" / "eval.png").is_file()
 
@@ -102,4 +128,4 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert str(model.dtype) == "torch.bfloat16"
     assert AutoTokenizer.from_pretrained(out).chat_template == tok.chat_template
-    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 0]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]

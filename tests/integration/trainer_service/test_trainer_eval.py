@@ -4,10 +4,12 @@ after the last; avg@k and pass@k per source in evals.jsonl and on /metrics; eval
 import json
 
 import pytest
+import redis as redis_client
 
 from sparrow.evaluation import pass_at_k
 from sparrow.tasks import ChainTask
 from sparrow.tasks.dataset import chain_rows, write_parquet
+from sparrow.work import PROMPTS_STREAM, PromptGroup
 from tests.integration.trainer_service.test_trainer_steps import _config, _metrics, _running, _steps
 from tests.servers import redis_server, wait_until
 
@@ -23,8 +25,12 @@ def test_eval_rounds_report_avg_and_pass_at_k(tmp_path):
         with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
             wait_until(lambda: len(service.evaluator.results) >= 3, 180, "three evaluation rounds")
             metrics = _metrics(service.metrics_port)
+        entries = redis_client.Redis.from_url(redis.url).xrange(PROMPTS_STREAM)
+    # Eval groups ask the generators for dense attention (eval.dense, the default), training groups do not.
+    groups = [PromptGroup.from_fields(fields) for _, fields in entries]
+    assert {("-eval" in g.group_id, g.dense) for g in groups} == {(True, True), (False, False)}
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["complete"] for e in evals)
+    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["complete"] and e["dense"] for e in evals)
     assert [e["policy_version"] for e in evals] == [1, 2, 3]
     for e in evals:
         chain = e["sources"]["chain"]

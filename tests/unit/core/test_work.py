@@ -87,3 +87,13 @@ def test_an_entry_without_the_group_field_is_refused():
 def test_stop_token_ids_round_trip():
     group = PromptGroup("g", (1, 2), 2, 0, Sampling(stop_token_ids=(151645, 151643)))
     assert PromptGroup.from_json(group.to_json()).sampling.stop_token_ids == (151645, 151643)
+
+
+def test_a_dense_group_round_trips_and_a_training_group_carries_no_dense_field():
+    g = _group(dense=True)
+    assert json.loads(g.to_json())["dense"] is True and PromptGroup.from_json(g.to_json()) == g
+    plain = _group()
+    assert "dense" not in json.loads(plain.to_json())  # as before the field: older generators read it
+    assert PromptGroup.from_json(plain.to_json()).dense is False
+    with pytest.raises(WorkItemError, match="dense must be true or false"):
+        PromptGroup.from_json(json.dumps({**json.loads(plain.to_json()), "dense": 1}))

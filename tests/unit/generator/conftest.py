@@ -19,8 +19,10 @@ def engine():
 
 @pytest.fixture(autouse=True)
 def _no_probe_source_left():
-    """A probe plan's row source is kept per process (a worker's layers share it): none between tests."""
+    """The probe plan's and dense rows' id sources are kept per process (a worker's layers share them):
+    none between tests."""
     yield
     from services.generator.plugin.scheduled_decode import ScheduledDecode
 
     ScheduledDecode.probe_row_ids = None
+    ScheduledDecode.dense_row_ids = None

@@ -144,3 +144,30 @@ def test_host_bounds_follow_the_schedule_and_the_probe_rows():
     assert impl.host_bounds(lens) == DecodeBounds(150, 0)
     with pytest.raises(ValueError, match="not for a subset"):
         impl.decode_rows(None, None, None, None, lens, rows=torch.tensor([0]), seq_lens_cpu=lens)
+
+
+def test_dense_rows_take_every_page_beside_scheduled_and_probe_rows():
+    # Evaluation samples decode densely whatever the schedule, in the batch beside the sparse ones: their
+    # budget is their whole page count, on the device path (CPU) and the host plan (CUDA) alike.
+    from kernels import DecodeBounds, num_pages
+    from services.generator.plugin.scheduled_decode import DENSE_PREFIX, PROBE_PREFIX, ScheduledDecode
+    from sparrow.schedule import Schedule
+
+    impl = ScheduledDecode()
+    impl.set_schedule(Schedule(budgets=(64, 128), bin_width=100))
+    lens = torch.tensor([50, 150, 150, 300, 150])
+    ids = ["seq:a-1", f"{DENSE_PREFIX}b-2", f"{PROBE_PREFIX}c-3", f"{DENSE_PREFIX}d-4", "seq:e-5"]
+    ScheduledDecode.dense_row_ids = lambda: ids
+    impl.set_probe([3, 5], lambda: ids)
+    want = [4, 10, 5, 19, 8]  # b: 150 tokens in 10 pages, d: 300 in 19; the probe and the schedule's rows unchanged
+    assert impl.budget_pages(lens).tolist() == want
+    assert impl.budget_pages(lens[[1, 4]], torch.tensor([1, 4])).tolist() == [10, 8]
+    bounds, budgets = impl.host_plan(lens, lens.device)
+    assert budgets.tolist() == want and bounds == DecodeBounds(300, int(num_pages(lens).max()))
+    ids[3] = "seq:d-4"  # the dense row finished and another took its place
+    assert impl.budget_pages(lens).tolist() == [4, 10, 5, 8, 8]
+    assert impl.host_plan(lens, lens.device)[1].tolist() == [4, 10, 5, 8, 8]
+    impl.set_probe(None)
+    assert impl.budget_pages(lens).tolist() == [4, 10, 8, 8, 8]
+    ScheduledDecode.dense_row_ids = None  # not tracked: every row follows the schedule
+    assert impl.budget_pages(lens).tolist() == [4, 8, 8, 8, 8]

@@ -71,6 +71,22 @@ def test_budgets_follow_the_schedule_and_scores_match_teacher_forced_scoring(eng
         assert float((dense.logprobs - sparse.logprobs).abs().max()) > 1e-4  # the schedule really was sparse
 
 
+def test_a_dense_group_decodes_densely_under_a_sparse_schedule(engine):
+    # Evaluation groups (dense) attend to everything whatever the schedule; the trainer's dense scoring agrees.
+    schedule = Schedule(budgets=(48, 64), bin_width=64, dense_layers=(), version=3)
+    engine.set_schedule(schedule)
+    prompt = chain_prompt(pairs=16, hops=8)
+    engine.submit(PromptGroup("dense", tuple(prompt), 2, 0, Sampling(temperature=0.7, max_new_tokens=40), dense=True))
+    samples = engine.step()
+    scorer = Scorer(load_model(TINY), backend="torch")
+    for s in samples:
+        assert s.kv_budgets == [0] * len(s.token_ids) and not s.probe
+        dense = scorer.score([prompt + s.token_ids], [len(prompt)], temperature=0.7)[0]
+        torch.testing.assert_close(torch.tensor(s.logprobs), dense.logprobs, atol=1e-4, rtol=0)
+        sparse = scorer.score([prompt + s.token_ids], [len(prompt)], schedule=schedule, temperature=0.7)[0]
+        assert float((dense.logprobs - sparse.logprobs).abs().max()) > 1e-4  # the schedule would have mattered
+
+
 def test_tiny_top_p_is_greedy_and_max_new_tokens_cuts(engine):
     engine.submit(_group(n=3, top_p=1e-6, max_new_tokens=6))
     samples = engine.step()

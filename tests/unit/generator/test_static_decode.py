@@ -451,11 +451,13 @@ def test_only_steps_of_pure_decodes_are_marked_static():
     decodes = driver.metadata(batch.step([1] * ROWS))
     try:
         ScheduledDecode.probe_row_ids = lambda: ["probe:a", None, "probe:b"]
+        ScheduledDecode.dense_row_ids = lambda: ["probe:a", "dense:c", "probe:b"]
         marked = with_static_decode(decodes, 400, rows)
     finally:
         ScheduledDecode.probe_row_ids = None
     assert marked.static_max_seq_len == 400 and marked.probe_rows is rows.mask
     assert rows.mask.tolist()[:4] == [True, False, True, False]
+    assert marked.dense_rows is rows.dense and rows.dense.tolist()[:4] == [False, True, False, False]
 
 
 def test_an_engine_refuses_static_decode_where_it_cannot_run(tmp_path):
@@ -506,3 +508,22 @@ def test_nothing_is_made_inside_a_capture(monkeypatch):
     static.run(prepared)  # nothing left to make: the step runs as a capture would record it
     want = expected(buffers, SPARSE_LAYER, SMALL, False)
     torch.testing.assert_close(buffers.out[: ROWS - 1].double().cpu(), want, **TOL)
+
+
+def test_dense_rows_take_every_page_under_static_decode():
+    st = StaticBudgets(300, torch.device("cpu"), 1, 2)
+    lens = torch.tensor([63, 128, 192, 300], dtype=torch.int32)
+    probe = torch.tensor([False, True, False, False])
+    dense = torch.tensor([False, False, True, True])
+    st.fill(SMALL, False, PROBE_PAGES)
+    plain = st.budgets(lens, probe)
+    got = st.budgets(lens, probe, dense)
+    assert got[:2].tolist() == plain[:2].tolist() and got[2:].tolist() == [st.max_pages] * 2
+    rows = ProbeRows(4, torch.device("cpu"))
+    dense_mask, probe_mask = rows.dense, rows.mask
+    rows.write_dense(["dense:x", "probe:y", None, "dense:z"])
+    rows.write(["dense:x", "probe:y", None, "dense:z"])
+    assert rows.dense is dense_mask and dense_mask.tolist() == [True, False, False, True]
+    assert probe_mask.tolist() == [False, True, False, False]
+    with pytest.raises(ValueError, match="5 rows"):
+        rows.write_dense(["a"] * 5)

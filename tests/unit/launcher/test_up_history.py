@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from services.generator.metrics import GeneratorMetrics
-from services.launcher.history import History, HistorySources, read_history
+from services.launcher.history import History, HistorySources, read_eval_history, read_history
 from services.launcher.progress import p5_table
 
 SCHEDULE = {"name": "s", "version": 3, "bin_width": 16, "budgets": [48, 64], "page_size": 16}
@@ -57,6 +57,7 @@ def _history(tmp_path, urls: dict[str, str]) -> History:
             initial_schedule=SCHEDULE,
             follow_redis=False,
             speedup_of=lambda s: 1.5 if s else 1.0,
+            evals_file=tmp_path / "trainer" / "evals.jsonl",
         ),
     )
 
@@ -142,3 +143,28 @@ def test_a_line_that_is_not_a_step_is_skipped_not_fatal(tmp_path):
     history = _history(tmp_path, {})
     history.sources.steps_file.write_text("not json\n" + '{"no": "step"}\n' + json.dumps(_step(1)) + "\n")
     assert [r["step"] for r in history.poll()] == [1]
+
+
+def _round(n: int, step: int, avg: float) -> dict:
+    figures = {"prompts": 3, "samples": 6, "avg@2": avg, "pass@1": avg, "pass@2": min(1.0, 2 * avg)}
+    return {"round": n, "step": step, "policy_version": step + 1, "k": 2, "complete": True, "dense": True,
+            "prompts": 3, "sources": {"toy/arith": figures}, "seconds": 1.5}  # fmt: skip
+
+
+def test_evaluation_rounds_get_rows_of_their_own_among_the_steps(tmp_path):
+    history = _history(tmp_path, {})
+    evals, steps = history.sources.evals_file, history.sources.steps_file
+    evals.write_text(json.dumps(_round(0, 0, 0.25)) + "\n" + json.dumps(_round(1, 2, 0.5))[:12])  # round 1 unfinished
+    assert history.poll() == []  # no step yet: the round before step 1 is written all the same
+    steps.write_text(json.dumps(_step(1)) + "\n" + json.dumps(_step(2)) + "\n")
+    evals.write_text(json.dumps(_round(0, 0, 0.25)) + "\n" + json.dumps(_round(1, 2, 0.5)) + "\n" + "not json\n")
+    assert [r["step"] for r in history.poll()] == [1, 2]  # poll returns step rows only
+    assert [r["step"] for r in read_history(tmp_path)] == [1, 2]
+    rows = read_eval_history(tmp_path)
+    assert [(r["kind"], r["round"], r["step"], r["policy_version"], r["dense"]) for r in rows] == [
+        ("eval", 0, 0, 1, True),
+        ("eval", 1, 2, 3, True),
+    ]
+    assert rows[1]["sources"]["toy/arith"]["avg@2"] == 0.5 and history.eval_rows == rows
+    kinds = [json.loads(line).get("kind") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kinds == ["eval", "eval", None, None]  # in the order they ended: round 1 was in before these steps' rows
