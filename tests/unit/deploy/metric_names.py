@@ -27,6 +27,7 @@ TRAINER_METRICS = (
     "sparrow_trainer_step_seconds",
     "sparrow_trainer_steps_total",
     "sparrow_trainer_policy_version",
+    "sparrow_trainer_world_size",
     "sparrow_trainer_staleness_versions",
     "sparrow_trainer_dropped_stale_total",
     "sparrow_trainer_trajectories_total",

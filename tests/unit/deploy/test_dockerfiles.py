@@ -96,7 +96,8 @@ def image_env(component: str) -> dict[str, str]:
 def listening(component: str, config) -> list[tuple[str, int]]:
     """(host, port) of every server the service starts."""
     if component == "generator":
-        return [(config.control.host, config.control.port), (config.metrics.host, config.metrics.port)]
+        relay = [(config.relay.host, config.relay.port)] if config.relay.enabled else []
+        return [(config.control.host, config.control.port), (config.metrics.host, config.metrics.port), *relay]
     if component == "trainer":
         host, port = config.grpc.address.rsplit(":", 1)
         return [(host, int(port)), (config.metrics.host, config.metrics.port)]
