@@ -43,6 +43,14 @@ def _step(gen: torch.Generator, n: int = 4000) -> tuple[torch.Tensor, torch.Tens
     return alpha, kv
 
 
+def _assert_near_bucket(estimate: float, value: float, what: str) -> None:
+    """`estimate` lies in the histogram bucket holding `value`, widened by one bucket on each side."""
+    edges = (0.0, *mc.ALPHA_BUCKETS)
+    i = next(k for k in range(1, len(edges)) if value <= edges[k])
+    low, high = edges[max(0, i - 2)], edges[min(len(edges) - 1, i + 1)]
+    assert low <= estimate <= high, f"{what}: {estimate:.3f} vs {value:.3f}"
+
+
 def test_exposition_follows_the_contract():
     metrics = TailMetrics(bin_width=2000)
     registry = CollectorRegistry()
@@ -151,12 +159,8 @@ def test_promql_p5_per_bin_matches_the_exact_gauge():
         feeder.join(5)
         server.shutdown()
         server.server_close()
-    edges = (0.0, *mc.ALPHA_BUCKETS)
     for b, p5 in exact.items():
-        # The bucket holding the exact value, widened by one bucket on each side.
-        i = next(k for k in range(1, len(edges)) if p5 <= edges[k])
-        low, high = edges[max(0, i - 2)], edges[min(len(edges) - 1, i + 1)]
-        assert low <= estimated[b] <= high, f"bin {b}: PromQL p5 {estimated[b]:.3f} vs exact {p5:.3f}"
+        _assert_near_bucket(estimated[b], p5, f"bin {b}: PromQL p5 vs exact")
     assert exact["2"] < exact["0"]  # the longer bin's tail is worse, and both views agree on it
     assert set(snapshot.bins) == {0, 1, 2} and snapshot.trainer_version == 1
     assert snapshot.trainer_steps is not None and snapshot.trainer_steps >= 5
@@ -199,11 +203,8 @@ def test_the_controller_holds_p1_of_the_exact_series_and_promql_agrees_with_its_
         feeder.join(5)
         server.shutdown()
         server.server_close()
-    edges = (0.0, *mc.ALPHA_BUCKETS)
     for b, value in gauge.items():
-        i = next(k for k in range(1, len(edges)) if value <= edges[k])
-        low, high = edges[max(0, i - 2)], edges[min(len(edges) - 1, i + 1)]
-        assert low <= estimated[b] <= high, f"bin {b}: PromQL p1 {estimated[b]:.3f} vs gauge {value:.3f}"
+        _assert_near_bucket(estimated[b], value, f"bin {b}: PromQL p1 vs gauge")
         assert value > bound_p1[b]  # the exact series is its own, not the bound's
     assert set(p1.bins) == {0, 1, 2}
     for b, reading in p1.bins.items():
