@@ -1,8 +1,8 @@
 """One `sparrow up` run, start to end: plan, start, supervise, stop, account, report.
 
-Bad input is found by `make_plan` before anything starts. Then Redis and Prometheus start, then
-the generators, the controller and the code sandbox, then the trainer, each phase healthy before
-the next (see `UpRun.start`). The run ends when the trainer exits after its last step; a Ctrl-C (or
+Bad input is found by `make_plan` before anything starts. Then Redis, Prometheus and the code
+sandbox start, then the generators, the controller and the trainer together, each phase healthy
+before the next (see `UpRun.start`). The run ends when the trainer exits after its last step; a Ctrl-C (or
 SIGTERM), a service that fails, or a run with no step for `timeouts.step_s` ends it early. A
 generator that exits is reported and the run goes on with the others (its claimed groups are
 reclaimed); only when none is left does the run fail. A sandbox that exits is started again (up to
@@ -163,10 +163,12 @@ class UpRun:
         return self._redis
 
     def start(self) -> None:
-        """Stores first, then generators and controller, then the trainer; each phase healthy before the next.
+        """Stores, Prometheus and the sandbox first; then generators, controller and trainer together (each
+        phase healthy before the next).
 
-        The trainer comes last because it starts feeding work at once: every generator is up by then,
-        so none gets a head start and the throughput measured from the first step on is the cluster's.
+        The trainer and the generators load their models at the same time; the trainer holds its first
+        prompts until every generator has connected (`wait_for_generators`), so none gets a head start and
+        the throughput measured from the first step on is the cluster's.
         """
         timeout = self.plan.up.timeouts.start_s
         specs = self.plan.services()
@@ -174,7 +176,7 @@ class UpRun:
         for warning in self.plan.warnings:
             log.warning("%s", warning)
             self.progress.event(f"warning: {warning}")
-        for phase in (("store", "monitor"), ("generator", "controller", "sandbox"), ("trainer",)):
+        for phase in (("store", "monitor", "sandbox"), ("generator", "controller", "trainer")):
             for spec in specs:
                 if spec.role in phase:
                     # Not inside the start: a child started but not yet recorded would be left running.

@@ -117,6 +117,7 @@ def resolve(
             "model_dir": str(model_dir),
             "redis_url": _redis_url(up, ports),
             "steps": up.steps,
+            "wait_for_generators": up.generators,  # they start with the trainer: none gets a head start
             "grpc": {"address": f"{HOST}:{ports.trainer_grpc}"},
             "metrics": {"port": ports.trainer_metrics},
         },

@@ -296,6 +296,15 @@ class TrainerServiceConfig(SparrowConfig):
         900.0, gt=0, description="An incomplete group is enqueued again after this long (a lost entry must not stall)."
     )
     poll_s: float = Field(0.5, gt=0, description="Seconds between queue checks while waiting for groups.")
+    wait_for_generators: int = Field(
+        0,
+        ge=0,
+        description="A fresh run holds its first prompts until this many generators have opened their trajectory "
+        "streams, so none gets a head start (`sparrow up` sets its generator count); 0 feeds at once.",
+    )
+    wait_for_generators_s: float = Field(
+        600.0, gt=0, description="After this long the first prompts go out anyway, with a warning naming who came."
+    )
     logprob_tolerance: float = Field(
         1e-3, ge=0, description="Logprobs up to this above 0 are accepted (float rounding); larger ones are refused."
     )

@@ -118,6 +118,11 @@ class _Slot:
         self.loaded: set[str] = set()
 
     def _loop(self) -> None:
+        for reward in self.pool.preload:  # before the first task: the first step must not wait on a spawn
+            try:
+                self._load(reward)  # a failure here is found again, and reported, by the first call
+            except Exception:
+                self._kill()
         while True:
             task = self.pool.tasks.get()
             if task is None:
@@ -125,21 +130,29 @@ class _Slot:
                 return
             task.future.set_result(self._call(task))
 
+    def _load(self, reward: str) -> tuple[str, str] | None:
+        """A live worker with `reward` imported, or (reason, detail) of why not. Raises EOFError/OSError
+        when the worker dies meanwhile."""
+        if self.process is None or not self.process.is_alive():
+            self._kill()
+            self._start()
+        if reward not in self.loaded:
+            # Importing the reward (math-verify loads sympy) is not the call's time.
+            self.conn.send(("load", reward))
+            if not self.conn.poll(START_TIMEOUT_S):
+                self._kill()
+                return "timeout", f"not imported within {START_TIMEOUT_S:g} s"
+            error = self.conn.recv()
+            if error is not None:
+                return "raised", error
+            self.loaded.add(reward)
+        return None
+
     def _call(self, task: _Task) -> RewardResult:
         try:
-            if self.process is None or not self.process.is_alive():
-                self._kill()
-                self._start()
-            if task.reward not in self.loaded:
-                # Importing the reward (math-verify loads sympy) is not the call's time.
-                self.conn.send(("load", task.reward))
-                if not self.conn.poll(START_TIMEOUT_S):
-                    self._kill()
-                    return self.pool.failed(task.reward, "timeout", f"not imported within {START_TIMEOUT_S:g} s")
-                error = self.conn.recv()
-                if error is not None:
-                    return self.pool.failed(task.reward, "raised", error)
-                self.loaded.add(task.reward)
+            failure = self._load(task.reward)
+            if failure is not None:
+                return self.pool.failed(task.reward, *failure)
             timeout = self.pool.timeout_for(task.reward)
             extras = {**task.extras, BUDGET_KEY: timeout}
             self.conn.send(("call", task.reward, task.response, task.ground_truth, extras))
@@ -162,9 +175,17 @@ class RewardPool:
     """`workers` reward processes; `submit` returns a Future that always resolves to a RewardResult."""
 
     def __init__(
-        self, workers: int, timeout_s: float, errors_counter=None, timeouts: dict[str, float] | None = None
+        self,
+        workers: int,
+        timeout_s: float,
+        errors_counter=None,
+        timeouts: dict[str, float] | None = None,
+        preload: tuple[str, ...] = (),
     ) -> None:
+        """`preload`: rewards every worker starts and imports at once, in the background (the run's rewards,
+        so that the first step's scores do not wait for worker processes to spawn and import)."""
         self.timeout_s = timeout_s
+        self.preload = tuple(preload)
         self.timeouts = dict(timeouts or {})
         self.context = mp.get_context("spawn")  # the trainer holds torch threads and gRPC: never fork it
         self.tasks: queue.Queue[_Task | None] = queue.Queue()

@@ -45,8 +45,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         limits: Limits,
         metrics: TrainerMetrics,
         on_stored: Callable[[rollout_pb2.Trajectory, GroupRecord], None] | None = None,
+        on_hello: Callable[[str], None] | None = None,
     ) -> None:
         self.on_stored = on_stored  # scores the trajectory's reward as it arrives
+        self.on_hello = on_hello  # told each generator that opens a stream (the first feed may wait for them)
         self.store = store
         self.ledger = ledger
         self.weights = weights
@@ -66,6 +68,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT, f"hello needs a generator_id of 1 to {MAX_ID_CHARS} chars"
             )
         log.info("generator %s connected (policy v%d)", generator, first.hello.versions.policy_version)
+        if self.on_hello is not None:
+            self.on_hello(generator)
         yield self._hello()
         async for request in requests:
             kind = request.WhichOneof("item")

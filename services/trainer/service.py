@@ -95,7 +95,13 @@ class TrainerService:
         self.store = TrajectoryStore(self.run_dir)
         self.ledger = GroupLedger(self.run_dir, finished=self.state.finished)
         r = config.reward
-        self.reward_pool = RewardPool(r.workers, r.timeout_s, self.metrics.reward_errors, r.timeouts)
+        self.reward_pool = RewardPool(
+            r.workers,
+            r.timeout_s,
+            self.metrics.reward_errors,
+            r.timeouts,
+            preload=tuple(sorted(set(self.data.rewards.values()))),
+        )
         self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options)
         self.sampling = Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs, self.data.stop_ids)
         self.feeder = Feeder(
@@ -139,6 +145,7 @@ class TrainerService:
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._http = None
+        self.generators_seen: set[str] = set()  # added to by the gRPC thread, read by the step loop
         self.grpc_port = self.metrics_port = 0
         self._last_checkpoint_step = self.state.step if resumed else -1
         self._checkpoint_on_stop = True
@@ -235,6 +242,7 @@ class TrainerService:
             self.rewards.on_trajectory,
             sync=self.sync,
             planner=self.planner,
+            on_hello=self.generators_seen.add,
         )
         self.grpc_port = self._server.bind(c.grpc.address)
         self._server.start()
@@ -248,6 +256,8 @@ class TrainerService:
         """Serve and train until `config.steps` are done or `stop` is set; checkpoint and stop cleanly."""
         self.start_servers()
         try:
+            if self.state.step == 0:
+                self._wait_for_generators(stop)
             if self.state.step == 0 and self.evaluator.due(0, self.config.steps):
                 self.feeder.tick()  # the consumer group exists before the first round goes on the stream
                 self.evaluator.start(0, self.state.policy_version)
@@ -272,6 +282,22 @@ class TrainerService:
         finally:
             self.shutdown()
         return self.state
+
+    def _wait_for_generators(self, stop: threading.Event) -> None:
+        """Hold a fresh run's first prompts until `wait_for_generators` generators have connected (or the
+        deadline): the first to come up would otherwise take them all and the first steps' throughput
+        would be one generator's."""
+        want, limit = self.config.wait_for_generators, self.config.wait_for_generators_s
+        if want <= 0:
+            return
+        deadline = time.monotonic() + limit
+        while len(self.generators_seen) < want and time.monotonic() < deadline and not stop.is_set():
+            stop.wait(0.1)
+        seen = sorted(self.generators_seen)
+        if len(seen) < want and not stop.is_set():
+            log.warning("%d of %d generators connected in %.0f s (%s); feeding anyway", len(seen), want, limit, seen)
+        else:
+            log.info("%d generator(s) connected (%s); feeding", len(seen), ", ".join(seen))
 
     def _done(self) -> bool:
         return self.config.steps > 0 and self.state.step >= self.config.steps
@@ -363,6 +389,7 @@ def build_grpc_server(
     on_stored: Callable[[rollout_pb2.Trajectory, GroupRecord], None] | None = None,
     sync: PolicySyncStore | None = None,
     planner: SourcePlanner | None = None,
+    on_hello: Callable[[str], None] | None = None,
 ) -> AioServer:
     """The trainer's gRPC server (RolloutService, WeightService, health, reflection), not yet bound or started.
 
@@ -379,7 +406,7 @@ def build_grpc_server(
     sync = sync if sync is not None else PolicySyncStore(config.run_dir, w.deltas)
     planner = planner if planner is not None else SourcePlanner(w.trainer_fanout, w.peer_fanout, keep=w.keep + 1)
     weight_servicer = TrainerWeightServicer(weights, w.default_chunk_bytes, w.max_chunk_bytes, sync, planner)
-    rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics, on_stored)
+    rollouts = RolloutServicer(store, ledger, weight_servicer, limits, metrics, on_stored, on_hello)
     server = AioServer(
         config.security.grpc(),
         max_calls=c.max_calls,

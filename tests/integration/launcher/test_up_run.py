@@ -1,5 +1,7 @@
 """`sparrow up --model-size tiny --steps 3 --generators 1 --no-controller --run-dir DIR --json`, for real:
-Redis, Prometheus, a generator and the trainer as processes on loopback (reference engine, tiny model)."""
+Redis, Prometheus, a generator and the trainer as processes on loopback (reference engine, tiny model),
+with TensorBoard, an offline W&B run and an MLflow file store, read back from each (one run serves both:
+a `sparrow up` run is the expensive part of these tests)."""
 
 import json
 import re
@@ -9,13 +11,22 @@ import pytest
 from services.launcher.history import read_history
 from tests.cli_runner import sparrow
 from tests.integration.launcher.helpers import UpProcess, alive, processes, tiny_config, trained_and_dropped
+from tests.tracking_readers import mlflow_run, mlflow_series, tensorboard_images, tensorboard_scalars, wandb_offline_run
 
 pytestmark = pytest.mark.slow
+
+TRACKING = """
+[tracking]
+backends = ["tensorboard", "wandb", "mlflow"]
+project = "sparrow-test"
+run_name = "tiny-3"
+tags = ["tiny", "ci"]
+"""
 
 
 def test_three_steps_end_to_end_then_nothing_is_left_running(tmp_path):
     run_dir = tmp_path / "run"
-    config = tiny_config(tmp_path / "up.toml")
+    config = tiny_config(tmp_path / "up.toml", extra=TRACKING)
     up = UpProcess(
         "--config", str(config), "--model-size", "tiny", "--steps", "3", "--generators", "1",
         "--no-controller", "--run-dir", str(run_dir), "--json",
@@ -58,6 +69,8 @@ def test_three_steps_end_to_end_then_nothing_is_left_running(tmp_path):
     assert work["groups_waiting"] == len(ledger - set(trained) - set(dropped))
     assert work["groups_enqueued"] == 6 + work["groups_waiting"]
 
+    _every_step_reached_every_tracker(run_dir, summary, history)
+
     # The report's figures are the history's.
     report = (run_dir / "report" / "report.md").read_text()
     figures = json.loads((run_dir / "report" / "figures.json").read_text())
@@ -89,3 +102,34 @@ def test_three_steps_end_to_end_then_nothing_is_left_running(tmp_path):
     result = sparrow("report", run_dir)
     assert result.returncode == 0, result.stderr
     assert (run_dir / "report" / "report.md").read_text() == report
+
+
+def _every_step_reached_every_tracker(run_dir, summary, history) -> None:
+    """TensorBoard, MLflow and W&B each hold every step's reward and tail as the history does."""
+    assert summary["tracking"] == {"tensorboard": "ok", "wandb": "ok", "mlflow": "ok"}
+    reward = {r["step"]: r["reward"] for r in history}
+    tail = {b: {r["step"]: r["p5"][b] for r in history} for b in history[0]["p5"]}
+    assert tail
+
+    tb = tensorboard_scalars(run_dir / "tensorboard")
+    assert tb["train/reward"] == pytest.approx(reward)
+    for b, series in tail.items():
+        assert tb[f"tail/bin_{b}/p5"] == pytest.approx(series)
+    assert {"report/p5", "report/reward_accuracy"} <= set(tensorboard_images(run_dir / "tensorboard"))
+
+    client, run = mlflow_run((run_dir / "mlruns").as_uri(), "sparrow-test")
+    assert run.info.run_name == "tiny-3" and {"tiny", "ci"} <= set(run.data.tags)
+    assert run.data.params["up.steps"] == "3" and run.data.params["trainer.groups_per_step"] == "2"
+    assert mlflow_series(client, run.info.run_id, "train/reward") == pytest.approx(reward)
+    for b, series in tail.items():
+        assert mlflow_series(client, run.info.run_id, f"tail/bin_{b}/p5") == pytest.approx(series)
+    assert "report/p5.png" in {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+
+    config, rows = wandb_offline_run(run_dir)
+    assert config["up"]["steps"] == 3 and config["trainer"]["sampling"]["max_new_tokens"] == 16
+    by_step = {h["_step"]: h for h in rows}
+    assert sorted(by_step) == [1, 2, 3]
+    assert {s: h["train/reward"] for s, h in by_step.items()} == pytest.approx(reward)
+    for b, series in tail.items():
+        assert {s: h[f"tail/bin_{b}/p5"] for s, h in by_step.items()} == pytest.approx(series)
+    assert by_step[3]["report/p5/_type"] == "image-file"

@@ -100,3 +100,26 @@ def test_coerce_score():
     assert coerce_score("1")[2] == "bad_value"
     assert coerce_score(math.inf)[2] == "non_finite"
     assert coerce_score(10**400)[2] == "non_finite"
+
+
+def test_preloaded_rewards_are_imported_by_every_worker_before_the_first_call(user_file, tmp_path):
+    """The run's rewards start and import in the background: the first step's scores wait on no spawn.
+    A preload that cannot import is not fatal: the first call finds it again, scores 0 and counts it."""
+    registry = CollectorRegistry()
+    errors = Counter("sparrow_trainer_reward_errors", "test", ["reason"], registry=registry)
+    missing = f"{tmp_path / 'gone.py'}:fn"
+    pool = RewardPool(workers=2, timeout_s=30.0, errors_counter=errors, preload=(f"{user_file}:good", missing))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(f"{user_file}:good" in s.loaded for s in pool.slots):
+            time.sleep(0.1)
+        assert all(f"{user_file}:good" in s.loaded and s.process.is_alive() for s in pool.slots)
+        pids = {s.process.pid for s in pool.slots}
+        assert registry.get_sample_value("sparrow_trainer_reward_errors_total", {"reason": "raised"}) is None
+        results = [pool.submit(f"{user_file}:good", "42", "42", {}) for _ in range(4)]
+        assert [r.result(timeout=60).score for r in results] == [1.0] * 4
+        assert {s.process.pid for s in pool.slots} == pids  # served by the preloaded workers
+        assert pool.submit(missing, "42", "42", {}).result(timeout=60).error == "raised"
+        assert registry.get_sample_value("sparrow_trainer_reward_errors_total", {"reason": "raised"}) == 1.0
+    finally:
+        pool.close()
