@@ -135,7 +135,9 @@ class EngineConfig(ConfigSection):
         ge=1,
         description=(
             "vLLM only: devices one engine shards the model over (vLLM's multiprocess executor past 1); must "
-            "divide the model's attention and KV heads. Past 1, policies load from disk in every worker."
+            "divide the model's attention and KV heads. Past 1, every worker takes each policy, schedule, probe "
+            "and adapter; on CPU each worker is bound to its share of the process's CPUs (unless "
+            "VLLM_CPU_OMP_THREADS_BIND is set)."
         ),
     )
     enable_lora: bool = Field(True, description="vLLM only: start with LoRA support (DistillSparse adapters).")

@@ -88,6 +88,8 @@ class VllmEngine(RolloutEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         # vLLM's own log config writes to stdout, which belongs to the caller (e.g. `--json` output).
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        if config.tensor_parallel_size > 1:
+            _bind_cpu_workers(config.tensor_parallel_size)
         overrides = {}
         if config.max_model_len > _max_positions(config.model):
             # RoPE has no length limit, but vLLM sizes its cos/sin table by max_position_embeddings and
@@ -207,15 +209,17 @@ class VllmEngine(RolloutEngine):
         self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
 
     def policy_layout(self) -> dict[str, tuple[int, ...]] | None:
-        if self.config.tensor_parallel_size > 1:  # each worker reads its shards from the files itself
-            return None  # (host tensors would be pickled whole to every worker process)
         return dict(self._layout) or None  # unknown (a model not in a folder): policies come through disk
 
     def load_policy_tensors(self, tensors: dict, version: int) -> None:
         check_policy_names(tensors, self._layout, version)
+        buckets = load_buckets(tensors, LOAD_BUCKET_BYTES)
         try:
-            # One call over the whole staged version: no engine step runs between two of its tensors.
-            self._rpc("sparrow_load_tensors", list(tensors.items()))
+            # Bucket by bucket, all in this call: no engine step runs between two of the version's tensors.
+            # Every worker gets each whole tensor (out of band, through vLLM's shared-memory queue) and its
+            # model's weight loaders keep its own shard; a bucket bounds what a worker holds at once.
+            for i, bucket in enumerate(buckets):
+                self._rpc("sparrow_load_tensors", bucket, i == 0, i == len(buckets) - 1)
         except Exception as exc:  # the worker raised: the old weights may be partly overwritten
             raise EngineError(f"loading policy version {version} from memory failed: {exc}") from exc
         self._engine.reset_prefix_cache(reset_running_requests=False)
@@ -410,8 +414,47 @@ class VllmEngine(RolloutEngine):
                 shutdown()
 
     def _rpc(self, method: str, *args):
+        """Calls the worker extension's `method` on every worker; their answers must agree (one worker that
+        took a schedule, a probe or a load differently from the others would decode another model)."""
         results = self._engine.collective_rpc(method, args=args)
+        if any(r != results[0] for r in results[1:]):
+            raise EngineError(f"the workers answered {method} differently: {results}")
         return results[0]
+
+
+LOAD_BUCKET_BYTES = 512 << 20  # what one call to the workers carries of a streamed version
+
+
+def load_buckets(tensors: dict, limit: int) -> list[list[tuple[str, object]]]:
+    """Splits (name, tensor) pairs into consecutive buckets of at most `limit` bytes (a larger tensor alone)."""
+    buckets: list[list[tuple[str, object]]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if buckets[-1] and size + nbytes > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((name, tensor))
+        size += nbytes
+    return buckets
+
+
+def _bind_cpu_workers(size: int) -> None:
+    """On a CPU engine, gives each of the `size` workers its own share of this process's CPUs, unless
+    VLLM_CPU_OMP_THREADS_BIND says otherwise. vLLM's default ("auto") binds one NUMA node per worker and
+    refuses to start a multiprocess engine on a machine with fewer nodes than workers (most machines)."""
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < size:
+        raise EngineError(f"engine.tensor_parallel_size {size} needs a CPU per worker; this process has {len(cpus)}")
+    share = len(cpus) // size
+    groups = [cpus[i * share : (i + 1) * share] for i in range(size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(str(c) for c in g) for g in groups)
 
 
 def check_tensor_parallel(model_dir: str, size: int) -> None:

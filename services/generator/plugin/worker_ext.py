@@ -6,6 +6,7 @@ on, for all sequences in the batch, without restarting the engine.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -96,23 +97,39 @@ class SparrowWorkerExtension:
         self._sparrow_load(tensors())
         return count
 
-    def sparrow_load_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> int:
+    def sparrow_load_tensors(
+        self, tensors: list[tuple[str, torch.Tensor]], first: bool = True, last: bool = True
+    ) -> int:
         """Loads (name, host tensor) pairs of a checkpoint into the running model, in place, as
         `sparrow_load_weights` does from files (a streamed policy version, staged and checked by the
-        generator). Returns the number of tensors. With the in-process executor the tensors are the
-        generator's own (no copy); a multiprocess executor would pickle them to each worker."""
-        self._sparrow_load(iter(tensors))
+        generator, sent in buckets; `first`, `last`: the version's first and final bucket, after
+        which CPU weights are re-packed). Each tensor is whole: under tensor parallelism the model's weight loaders keep
+        this worker's shard. Returns the number of tensors. With the in-process executor the tensors
+        are the generator's own (no copy); a multiprocess executor sends them to every worker."""
+        if first:  # whatever a refused version left waiting is dropped
+            self._sparrow_pending = []
+        self._sparrow_load(iter(tensors), repack=last)
         return len(tensors)
 
-    def _sparrow_load(self, tensors) -> None:
+    def _sparrow_load(self, tensors, repack: bool = True) -> None:
         from vllm.platforms import current_platform
 
         if not current_platform.is_cpu():
-            self.reload_weights(weights_iterator=tensors)
+            # vLLM's layerwise in-place reload processes a layer once all of it arrived, within one call:
+            # buckets wait here until the version's last one.
+            pending, self._sparrow_pending = getattr(self, "_sparrow_pending", []), []
+            if not repack:
+                self._sparrow_pending = pending + list(tensors)
+            elif pending:
+                self.reload_weights(weights_iterator=itertools.chain(pending, tensors))
+            else:  # one bucket, or the files' iterator (sparrow_load_weights): read as it goes
+                self.reload_weights(weights_iterator=tensors)
             return
         model = self.model_runner.get_model()
         with torch.no_grad():
             model.load_weights(tensors)
+            if not repack:  # more of the version follows before the next step
+                return
             for module in model.modules():
                 method = getattr(module, "quant_method", None)
                 if hasattr(module, "cpu_linear") and hasattr(method, "process_weights_after_loading"):
