@@ -8,7 +8,7 @@ sparse. Per length, in a fresh process each (peak memory is a process's high-wat
 torch.cuda.max_memory_allocated on CUDA), after a warm-up on a short sequence:
   - `dense`: the step's dense scoring alone (`trainer.rl_update.dense_scores`);
   - `exact`: the same scoring with the exact pass (`scores_and_exact`): the teacher-forced sparse
-    forward and the float64 alpha of every chunk pair.
+    forward, the sparse LM head and the alpha of every chunk pair (`trainer.exact_alpha.chunk_alpha`).
 Reported: the exact pass's own time (exact - dense) over the dense scoring's (goal <= 1.5), the peak
 memory the pass adds over dense scoring, in units of one [chunk, vocab] float32 tensor and against
 what one [tokens, vocab] float32 tensor would take (a pass that held it would grow with the length;

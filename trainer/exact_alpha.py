@@ -10,10 +10,17 @@ where the generators' top-20 lists give only a lower bound.
 It rides on the dense scoring the step does anyway (`trainer.scoring.Scorer.score`): before each of
 its micro-batches, `ExactAlpha.pair` runs the sparse forward of the same rows (no gradient) and keeps
 its last hidden states [tokens, hidden]; the scorer's LM head hands each chunk of dense log-probs to
-the pairing callback, which takes the sparse side's chunk from `trainer.lm_head.log_distributions`
-(the same chunking, in step) and reduces both to alpha. At most one [chunk, vocab] float32 tensor per
-side exists at a time, and the float64 reduction runs over half a chunk at a time, so its
-temporaries are no larger: never a [tokens, vocab] tensor for the batch.
+the pairing callback, which computes the sparse side's logits for the same rows and reduces both to
+alpha (`chunk_alpha`). At most two [chunk, vocab] float32 tensors of its own exist at a time (the
+sparse logits, then their exponentials in place, and the dense probabilities): never a
+[tokens, vocab] tensor for the batch.
+
+Where the time goes (profiled on `bench.exact_alpha`, Qwen3's vocabulary): the vocabulary-sized work,
+not the sparse forward. So the reduction runs in float32 elementwise passes over buffers it reuses,
+with only the per-token sums in float64 (`chunk_alpha`, within 1e-7 of the float64 log-softmax
+route), and a row whose whole context was attended densely in every layer (the prompt's, or every
+position's budget covering its pages so far; no adapter) gets alpha 1 without a second LM head: its
+sparse forward is the dense one.
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparrow.acceptance import alpha_exact
 from trainer import lm_head, sparse_attention
 from trainer.batch import Rollout, collate
 
@@ -40,30 +46,107 @@ def reproducible(rollout: Rollout) -> bool:
     return len(rollout.kv_budgets) in (0, len(rollout.token_ids)) and all(b % 16 == 0 for b in rollout.kv_budgets)
 
 
+# Row sums in float32 over blocks of this many entries, the blocks' partial sums added in float64.
+_SUM_BLOCK = 4096
+
+
+def _row_sums(x: torch.Tensor) -> torch.Tensor:
+    """[rows] float64 sums of x [rows, vocab] float32: float32 within blocks of `_SUM_BLOCK`, float64 across them.
+
+    A float64 `sum(dtype=...)` converts the whole tensor first (as slow as the elementwise passes
+    themselves); a block of 4096 non-negative float32 terms sums to within ~1e-7 of its total.
+    """
+    rows, n = x.shape
+    whole = n - n % _SUM_BLOCK
+    out = x[:, :whole].view(rows, -1, _SUM_BLOCK).sum(-1).double().sum(-1)
+    if whole < n:
+        out += x[:, whole:].sum(-1).double()
+    return out
+
+
+def chunk_alpha(
+    sparse_logits: torch.Tensor, dense_logp: torch.Tensor, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Exact alpha [rows] float64 = sum_v min(p(v), q(v)) of one chunk, with no [rows, vocab] float64 tensor.
+
+    `sparse_logits` [rows, vocab] float32 are the sparse side's logits at the temperature; they are
+    consumed (overwritten with exp(logit - max)). `dense_logp` [rows, vocab] float32 are the dense
+    side's log-probs (read only; renormalised here, as `sparrow.acceptance.alpha_exact` does).
+    `scratch`, of the same shape, takes the dense probabilities (allocated when None). Both sides are
+    normalised by their float64 sums, so the float32 normaliser error of a 151,936-entry softmax
+    (~1e-6) does not reach alpha; what remains is one rounding per entry, within 1e-7 of
+    `alpha_exact` in float64.
+    """
+    if sparse_logits.shape != dense_logp.shape or sparse_logits.dim() != 2:
+        raise ValueError(f"expected two [rows, vocab] tensors of one shape, got {tuple(sparse_logits.shape)} "
+                         f"and {tuple(dense_logp.shape)}")  # fmt: skip
+    e = sparse_logits.sub_(sparse_logits.amax(-1, keepdim=True)).exp_()  # q * sum_q
+    sum_q = _row_sums(e)
+    p = torch.exp(dense_logp, out=scratch) if scratch is not None else dense_logp.exp()
+    sum_p = _row_sums(p)
+    # min(p / sum_p, e / sum_q) = min(p * sum_q / sum_p, e) / sum_q: one scaling pass, the division per row.
+    p.mul_((sum_q / sum_p).to(p.dtype)[:, None])
+    torch.minimum(p, e, out=p)
+    return (_row_sums(p) / sum_q).clamp_(0.0, 1.0)
+
+
 class ChunkPair:
-    """The scorer's `on_chunk` callback for one micro-batch: alpha of each dense chunk against its sparse twin."""
+    """The scorer's `on_chunk` callback for one micro-batch: alpha of each dense chunk against its sparse twin.
+
+    `differs` [rows] bool marks the rows whose sparse distribution can differ from the dense one;
+    the others get alpha 1 (their sparse forward is the dense one) without a sparse LM head.
+    """
 
     def __init__(
-        self, sparse_hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk: int, dtype: torch.dtype
+        self,
+        sparse_hidden: torch.Tensor,
+        weight: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        dtype: torch.dtype,
+        differs: torch.Tensor | None = None,
     ) -> None:
-        self._sparse = lm_head.log_distributions(sparse_hidden, weight, temperature, chunk, dtype)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self._hidden = sparse_hidden.detach()
         self._rows = sparse_hidden.shape[0]
+        self._w = weight.detach().to(dtype)
+        self._temperature = temperature
+        self._differs = (
+            torch.ones(self._rows, dtype=torch.bool) if differs is None else differs.to(device="cpu", dtype=torch.bool)
+        )
+        if self._differs.shape != (self._rows,):
+            raise ValueError(f"differs has shape {tuple(self._differs.shape)}, expected ({self._rows},)")
+        self._next = 0
+        self._scratch: torch.Tensor | None = None
         self._parts: list[torch.Tensor] = []
 
     def __call__(self, start: int, dense_logp: torch.Tensor) -> None:
-        at, sparse_logq = next(self._sparse)
-        if at != start or sparse_logq.shape != dense_logp.shape:
-            raise ValueError(f"sparse chunk at {at} {tuple(sparse_logq.shape)} does not pair with dense chunk at "
-                             f"{start} {tuple(dense_logp.shape)}")  # fmt: skip
-        # The float64 log-softmax of alpha_exact makes [rows, vocab] float64 temporaries: half a chunk of rows
-        # at a time keeps each one the size of the chunk's float32 logits.
-        step = max(1, dense_logp.shape[0] // 2)
-        for s in range(0, dense_logp.shape[0], step):
-            self._parts.append(alpha_exact(sparse_logq[s : s + step], dense_logp[s : s + step]).cpu())
-        del sparse_logq
+        n = dense_logp.shape[0]
+        if start != self._next or start + n > self._rows or dense_logp.shape[1] != self._w.shape[0]:
+            raise ValueError(f"dense chunk at {start} {tuple(dense_logp.shape)} does not pair with the sparse rows "
+                             f"(next at {self._next} of {self._rows}, vocabulary {self._w.shape[0]})")  # fmt: skip
+        self._next = start + n
+        out = torch.ones(n, dtype=torch.float64)
+        differs = self._differs[start : start + n]
+        if bool(differs.all()):
+            out = self._alpha(self._hidden[start : start + n], dense_logp).cpu()
+        elif bool(differs.any()):
+            idx = differs.nonzero()[:, 0]
+            on = idx.to(dense_logp.device)
+            out[idx] = self._alpha(self._hidden[start : start + n][on], dense_logp[on]).cpu()
+        self._parts.append(out)
+
+    def _alpha(self, hidden: torch.Tensor, dense_logp: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            logits = lm_head.scaled_logits(hidden, self._w, self._temperature)
+            if self._scratch is None or self._scratch.shape[0] < logits.shape[0]:
+                self._scratch = torch.empty_like(logits)
+            return chunk_alpha(logits, dense_logp, self._scratch[: logits.shape[0]])
 
     def alpha(self) -> torch.Tensor:
         """Alpha [tokens] float64 of every row, once the scorer has passed every chunk."""
+        self._scratch = None
         out = torch.cat(self._parts) if self._parts else torch.zeros(0, dtype=torch.float64)
         if out.numel() != self._rows:
             raise RuntimeError(f"the scorer passed {out.numel()} of {self._rows} positions to the exact-alpha pass")
@@ -119,12 +202,15 @@ class ExactAlpha:
             rule.dense_layers, self.backend,
         )  # fmt: skip
         served = torch.tensor([r.adapter_version > 0 for r in fixed], dtype=torch.bool)
+        # The forward runs whatever `differs` says: under FSDP it is a collective every rank joins.
         if self.adapter_model is None or not bool(served.any()):
             hidden = response_hidden(self.policy, mb, self.dtype, sparrow_plan=plan)
+            served = torch.zeros_like(served)
         else:
             hidden = self._mixed(mb, fixed, plan, served)
+        differs = sparse_rows(plan.budgets, mb.mask.cpu().bool(), served)
         return ChunkPair(hidden, lm_head.output_weight(self.policy), self.temperature, self.chunk,
-                         self.dtype or hidden.dtype)  # fmt: skip
+                         self.dtype or hidden.dtype, differs)  # fmt: skip
 
     def _mixed(self, mb, rollouts: Sequence[Rollout], plan, served: torch.Tensor) -> torch.Tensor:
         """Response hidden states of a micro-batch whose rows were served with and without the adapter, in order."""
@@ -146,6 +232,22 @@ class ExactAlpha:
             for i, part in zip(rows, torch.split(hidden, [len(rollouts[i].token_ids) for i in rows]), strict=True):
                 both[i] = part
         return torch.cat([both[i] for i in range(len(rollouts))])
+
+
+def sparse_rows(budgets: torch.Tensor, mask: torch.Tensor, served: torch.Tensor) -> torch.Tensor:
+    """[tokens] bool, the response rows (under `mask` [b, T - 1]) whose sparse forward can differ from the dense one.
+
+    `budgets` [b, T] in pages are a plan's; position s holds s // 16 + 1 pages, so a budget of at
+    least that many attends to all of them (densely). The hidden state at position t is the dense
+    one when every position up to t did, in every layer; a row of a rollout `served` [b] with the
+    adapter always differs (its sparse side is another model).
+    """
+    from kernels import PAGE_SIZE
+
+    held = torch.arange(budgets.shape[1], dtype=torch.long) // PAGE_SIZE + 1
+    selecting = (budgets.cpu() < held[None, :]).long().cummax(dim=1).values.bool()  # any position <= t selected
+    differs = selecting[:, :-1] | served[:, None]
+    return differs[mask]
 
 
 def unreproducible_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:

@@ -76,7 +76,8 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk
         raise ValueError(f"chunk must be >= 1, got {chunk}")
 
 
-def _scaled_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+def scaled_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / T [c, vocab] float32 of hidden states `h` [c, H] under `w` [vocab, H], the matmul in w's dtype."""
     # `w` is already in the compute dtype (cast once per call, not per chunk). Autocast off: the
     # compute dtype is chosen by the caller, explicitly, the same in the forward and the backward.
     with torch.autocast(h.device.type, enabled=False):
@@ -98,7 +99,7 @@ def log_distributions(
         # no_grad around each chunk, not around the loop: a generator suspended inside the context would
         # leave gradients off in its caller (a paired consumer stops at its own last chunk, never closing it).
         with torch.no_grad():
-            logp = torch.log_softmax(_scaled_logits(hidden[start : start + chunk].detach(), w, temperature), dim=-1)
+            logp = torch.log_softmax(scaled_logits(hidden[start : start + chunk].detach(), w, temperature), dim=-1)
         yield start, logp
 
 
@@ -117,7 +118,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
             # log_softmax in one fused pass (torch's logsumexp takes twice as long on CPU); two [c, vocab] at most.
-            logp = torch.log_softmax(_scaled_logits(hidden[start:end], w, temperature), dim=-1)
+            logp = torch.log_softmax(scaled_logits(hidden[start:end], w, temperature), dim=-1)
             out[start:end] = logp.gather(1, targets[start:end, None])[:, 0]
             if k:
                 top = torch.topk(logp, k, dim=-1)
@@ -147,7 +148,7 @@ class _TokenLogprobs(torch.autograd.Function):
             h = hidden[start:end]
             g = grad_out[start:end].float() / t
             # d log p(y) / d logit = (onehot(y) - softmax) / T, built in the softmax's buffer.
-            grad_logits = torch.softmax(_scaled_logits(h, w, t), dim=-1).mul_(-g[:, None])
+            grad_logits = torch.softmax(scaled_logits(h, w, t), dim=-1).mul_(-g[:, None])
             grad_logits.scatter_add_(1, targets[start:end, None], g[:, None])
             with torch.autocast(h.device.type, enabled=False):
                 if want_h:
@@ -214,9 +215,9 @@ def chunked_kl(
 
     def piece(h_p: torch.Tensor, h_q: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         w = w.to(dtype)
-        logp = torch.log_softmax(_scaled_logits(h_p, w, temperature), dim=-1)
+        logp = torch.log_softmax(scaled_logits(h_p, w, temperature), dim=-1)
         with torch.no_grad():
-            logq = torch.log_softmax(_scaled_logits(h_q, w, temperature), dim=-1)
+            logq = torch.log_softmax(scaled_logits(h_q, w, temperature), dim=-1)
         return (logp.exp() * (logp - logq)).sum(-1)
 
     parts = [

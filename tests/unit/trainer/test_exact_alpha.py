@@ -114,3 +114,42 @@ def test_a_half_read_log_distributions_leaves_gradients_on():
     next(chunks)
     assert torch.is_grad_enabled()
     assert (torch.ones(1, requires_grad=True) * 2).requires_grad
+
+
+def test_the_float32_chunk_reduction_is_within_1e_7_of_float64_alpha_at_qwen3s_vocabulary():
+    from trainer.exact_alpha import chunk_alpha
+
+    g = torch.Generator().manual_seed(0)
+    vocab = 151_936
+    # Flat, peaked and nearly equal pairs: the normaliser error of a float32 softmax over 151,936
+    # entries (~1e-6) would show in every kind; a float32 running sum would too.
+    base = torch.randn(6, vocab, generator=g, dtype=torch.float64) * torch.tensor([0.5, 1, 3, 8, 3, 1.0])[:, None]
+    base[3, 7] += 30.0  # one token holds nearly all the mass
+    noise = torch.randn(6, vocab, generator=g, dtype=torch.float64) * torch.tensor([0.5, 1, 1, 1, 1e-3, 1e-5])[:, None]
+    sparse, dense = base + noise, base
+    want = alpha_exact(sparse, dense)  # float64 logits throughout
+    dense_logp = torch.log_softmax(dense.float(), dim=-1)  # what the scorer hands over: float32 log-probs
+    got = chunk_alpha(sparse.float().clone(), dense_logp)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, atol=1e-7, rtol=0)
+    # The float64 log-softmax route on the same float32 inputs (what the pass computed before) agrees as closely.
+    before = alpha_exact(torch.log_softmax(sparse.float(), dim=-1), dense_logp)
+    torch.testing.assert_close(got, before, atol=1e-7, rtol=0)
+    assert float(want.min()) < 0.7 and float(want.max()) > 0.99999  # the cases span the range
+
+
+def test_rows_attended_densely_so_far_get_alpha_1_and_the_rest_their_exact_value():
+    from trainer.exact_alpha import sparse_rows
+    from trainer.sparse_attention import recorded_plan
+
+    # Row 0: prompt 40, the first budgets cover the context (0), then 32 tokens = 2 pages from response token 3;
+    # row 1: no budgets (dense), but served with the adapter.
+    plan = recorded_plan([40, 20], [(0, 0, 0, 32, 0, 32), ()], 46)
+    mask = torch.zeros(2, 45, dtype=torch.bool)
+    mask[0, 39:45] = True
+    mask[1, 19:23] = True
+    got = sparse_rows(plan.budgets, mask, torch.tensor([False, True]))
+    # Response token 3 of row 0 is produced at position 42 (3 pages held, budget 2): it and all after it differ,
+    # even token 4, whose own budget is dense, since earlier positions attended sparsely.
+    assert got.tolist() == [False, False, False, True, True, True] + [True] * 4
+    assert not bool(sparse_rows(plan.budgets, mask, torch.tensor([False, False]))[6:].any())
