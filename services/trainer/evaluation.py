@@ -96,14 +96,15 @@ class Evaluator:
         """Enqueue one round's groups (every mode's), for the policy version current now."""
         number = self.rounds
         self.rounds += 1
-        groups: dict[str, list[GroupRecord]] = {}
+        groups: dict[str, list[GroupRecord]] = {mode: [] for mode in self.config.modes}
         now = time.time()
-        for mode in self.config.modes:
-            groups[mode] = []
-            for source in self.data.eval:
-                prompts = source.prompts[: self.config.max_prompts] if self.config.max_prompts else source.prompts
-                for i, prompt in enumerate(prompts):
-                    sample = prompt.sample
+        for source in self.data.eval:
+            prompts = source.prompts[: self.config.max_prompts] if self.config.max_prompts else source.prompts
+            for i, prompt in enumerate(prompts):
+                sample = prompt.sample
+                # A prompt's modes go on the stream side by side: generated at about the same time, by the same
+                # policy version (generators load new ones between groups), the two modes compare like for like.
+                for mode in self.config.modes:
                     record = GroupRecord(
                         index=i,
                         group_id=f"{self.run_id}-eval{number:04d}-{mode[0]}-{source.name}-{i:06d}"[:256],
