@@ -50,7 +50,8 @@ class PromptGroup:
     `attempt` counts deliveries that ended in a rejection or an error (0 on the first try); the
     generator's retry policy compares it to its limit before dead-lettering the group. `dense`: the
     samples decode with dense attention whatever the generator's schedule (evaluation rounds), beside
-    the others in its batch.
+    the others in its batch. `evaluation`: a held-out group the trainer scores and never trains; none of
+    its samples is a probe (an eval round under the current schedule measures that schedule, not a probe's).
     """
 
     group_id: str
@@ -62,12 +63,15 @@ class PromptGroup:
     attempt: int = 0
     prompt_text: str = ""
     dense: bool = False
+    evaluation: bool = False
 
     def to_json(self) -> str:
         d = asdict(self)
         d["prompt_token_ids"] = list(self.prompt_token_ids)
         if not self.dense:  # absent unless set: a training group reads as it did before the field existed
             del d["dense"]
+        if not self.evaluation:
+            del d["evaluation"]
         return json.dumps(d, separators=(",", ":"))
 
     def to_fields(self) -> dict[str, str]:
@@ -111,6 +115,7 @@ class PromptGroup:
             "attempt",
             "prompt_text",
             "dense",
+            "evaluation",
         }
         unknown = set(d) - known
         if unknown:
@@ -141,6 +146,9 @@ class PromptGroup:
         dense = d.get("dense", False)
         if not isinstance(dense, bool):
             raise WorkItemError(f"group {gid}: dense must be true or false")
+        evaluation = d.get("evaluation", False)
+        if not isinstance(evaluation, bool):
+            raise WorkItemError(f"group {gid}: evaluation must be true or false")
         return cls(
             group_id=gid,
             prompt_token_ids=tuple(ids),
@@ -151,6 +159,7 @@ class PromptGroup:
             attempt=attempt,
             prompt_text=text,
             dense=dense,
+            evaluation=evaluation,
         )
 
 

@@ -113,6 +113,8 @@ class ReferenceEngine(RolloutEngine):
         plan = self.probe_plan
         if group.dense:  # evaluation: dense attention whatever the schedule, and never a probe
             schedule, plan = None, None
+        if group.evaluation:  # evaluation under the schedule: that schedule's samples, never a probe's
+            plan = None
         # Which of the group's samples are probes: decoded at the plan's budgets (fixed for the group:
         # this engine takes a new probe or schedule between groups).
         probing = torch.tensor(

@@ -299,7 +299,11 @@ class VllmEngine(RolloutEngine):
         for i, key in enumerate(keys):
             # External ids (vLLM adds its own suffix internally; outputs and aborts use these). The
             # attention layers tell probe and dense rows by the prefix; every other id starts otherwise.
-            probe = not group.dense and self._plan is not None and self._probe_share.take(self._plan.share)
+            probe = (
+                not (group.dense or group.evaluation)
+                and self._plan is not None
+                and self._probe_share.take(self._plan.share)
+            )
             rid = (DENSE_PREFIX if group.dense else PROBE_PREFIX if probe else _SEQUENCE_PREFIX) + key
             try:
                 self._engine.add_request(

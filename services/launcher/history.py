@@ -7,8 +7,9 @@ its predicted speedup, and PromQL's p5 per bin (what the controller acts on). Th
 `--json` and the report all read these rows and nothing else.
 
 Evaluation rounds (trainer/evals.jsonl) get rows of their own in the same file, `"kind": "eval"`,
-in the order they ended among the step rows: the round, the step it ran after (0: before the first),
-the policy version, whether it decoded densely, and avg@k/pass@k per source. `read_history` gives
+one per round and mode, in the order they ended among the step rows: the round, its mode (`dense` or
+`schedule`), the step it ran after (0: before the first), the policy version, avg@k/pass@k per
+source, and on the `schedule` row of a round with both modes `dense_gap` (dense minus scheduled). `read_history` gives
 the step rows, `read_eval_history` the eval rows.
 
 Throughput is measured between two rows: `tokens_per_s` is generated tokens per wall second (all
@@ -128,10 +129,13 @@ class History:
             "elapsed_s": round(time.time() - self.started, 3),
             "policy_version": rnd.get("policy_version"),
             "k": rnd.get("k"),
+            # A round of a trainer from before eval.modes has `dense` only.
+            "mode": rnd.get("mode") or ("dense" if rnd.get("dense", True) else "schedule"),
             "dense": rnd.get("dense"),
             "complete": rnd.get("complete"),
             "prompts": rnd.get("prompts"),
             "sources": rnd.get("sources", {}),
+            **({"dense_gap": rnd["dense_gap"]} if "dense_gap" in rnd else {}),
             "eval_seconds": rnd.get("seconds"),
         }
 

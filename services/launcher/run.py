@@ -153,6 +153,7 @@ class UpRun:
         self.started = time.monotonic()
         self._redis = None
         self.trackers = Trackers([])
+        self._evals_tracked = 0  # the history's evaluation rows handed to the trackers
         self._restart_due: dict[str, float] = {}  # exited children to start again, and when
 
     def redis(self):
@@ -260,6 +261,11 @@ class UpRun:
 
     def _take_rows(self) -> bool:
         rows = self.history.poll() if self.history is not None else []
+        # Evaluation rows first: in the history file they come before the step rows of the same poll.
+        evals = self.history.eval_rows[self._evals_tracked :] if self.history is not None else []
+        self._evals_tracked += len(evals)
+        for row in evals:
+            self.trackers.log_eval(row)
         for row in rows:
             log.info("step %d: reward %s p5 %s", row["step"], row["reward"], row["p5"])
             self.progress.step(row)

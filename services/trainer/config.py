@@ -265,11 +265,29 @@ class EvalConfig(ConfigSection):
     timeout_s: float = Field(
         900.0, gt=0, description="A round still incomplete after this long is reported with what came back."
     )
-    dense: bool = Field(
-        True,
-        description="Eval samples decode with dense attention whatever the schedule (held-out accuracy unbiased by "
-        "sparsity); false: under the generators' current schedule, as the sparse actor samples.",
+    modes: list[Literal["dense", "schedule"]] = Field(
+        ["dense"],
+        min_length=1,
+        max_length=2,
+        description="How each round's samples decode, each mode a set of groups of its own in the same round: "
+        "'dense' (attention dense whatever the schedule: held-out accuracy unbiased by sparsity), 'schedule' (under "
+        "the generators' current schedule, as the sparse actor samples, never a probe). Both: the gap between them.",
     )
+    dense: bool | None = Field(
+        None, description="The older form of modes: true is modes = ['dense'], false is ['schedule']; not with modes."
+    )
+
+    @model_validator(mode="after")
+    def _modes(self) -> EvalConfig:
+        if len(set(self.modes)) != len(self.modes):
+            raise ValueError(f"eval.modes names a mode twice: {self.modes}")
+        if self.dense is not None:
+            if "modes" in self.model_fields_set:
+                raise ValueError("eval.dense and eval.modes are both set: keep eval.modes (dense is its older form)")
+            # Migrated here, so that the config written for a child (services/*.toml) holds modes only.
+            self.modes = ["dense"] if self.dense else ["schedule"]
+            self.dense = None
+        return self
 
 
 class TrainerServiceConfig(SparrowConfig):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import redis
 
-from services.trainer.ledger import OUTSTANDING, GroupLedger, GroupRecord
+from services.trainer.ledger import EVAL, OUTSTANDING, GroupLedger, GroupRecord
 from services.trainer.metrics import TrainerMetrics
 from services.trainer.store import TrajectoryStore
 from services.trainer.training_data import TrainingData
@@ -173,6 +173,7 @@ class Feeder:
             attempt=attempt,
             prompt_text=record.prompt_text,
             dense=record.dense,
+            evaluation=record.purpose == EVAL,
         )
         self._last_added = self.client.xadd(PROMPTS_STREAM, group.to_fields())
         self.ledger.mark_queued(record.group_id)

@@ -81,14 +81,15 @@ class TrainerMetrics:
         )
         self.eval_avg = Gauge(
             "sparrow_trainer_eval_avg_reward",
-            "Mean reward over the k samples of every eval prompt (avg@k), last evaluation, per source.",
-            ["source"],
+            "Mean reward over the k samples of every eval prompt (avg@k), last evaluation, per source and mode "
+            "(dense or schedule: how the samples decoded).",
+            ["source", "mode"],
             registry=r,
         )
         self.eval_pass = Gauge(
             "sparrow_trainer_eval_pass_ratio",
-            "Unbiased pass@k (Chen et al.) of the last evaluation, per source and k.",
-            ["source", "k"],
+            "Unbiased pass@k (Chen et al.) of the last evaluation, per source, k and mode (dense or schedule).",
+            ["source", "k", "mode"],
             registry=r,
         )
         for reason in REWARD_ERROR_REASONS:

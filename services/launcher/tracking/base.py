@@ -1,10 +1,12 @@
 """What every experiment tracker does for a run, and the fan-out that keeps a failing one from the run.
 
-A tracker gets the run's resolved config once, each step's metrics once (flat names, see names.py), the
-report's plots at the end, and is closed. `Trackers` gives each tracker a thread of its own, so a
-backend that blocks (a tracking server that accepts and never answers) holds up neither the launcher's
-supervision nor the other trackers; any failure (an unwritable folder, a full disk, a server gone) is
-logged once, and that tracker is dropped for the rest of the run. Tracking never stops a training run.
+A tracker gets the run's resolved config once, each step's metrics once (flat names, see names.py), each
+evaluation round's figures once per mode at the step the round ran after (it ends steps later: training
+goes on while it generates), the report's plots at the end, and is closed. `Trackers` gives each tracker
+a thread of its own, so a backend that blocks (a tracking server that accepts and never answers) holds
+up neither the launcher's supervision nor the other trackers; any failure (an unwritable folder, a full
+disk, a server gone) is logged once, and that tracker is dropped for the rest of the run. Tracking never
+stops a training run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 
-from services.launcher.tracking.names import tracked_metrics
+from services.launcher.tracking.names import tracked_eval_metrics, tracked_metrics
 
 log = logging.getLogger("sparrow.up.tracking")
 
@@ -36,6 +38,10 @@ class Tracker(ABC):
     @abstractmethod
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics."""
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """Record an evaluation round's metrics at `step`, the step it ran after (older than the last logged)."""
+        self.log_metrics(step, metrics)
 
     @abstractmethod
     def log_images(self, step: int, images: dict[str, Path]) -> None:
@@ -126,6 +132,16 @@ class Trackers:
         self.last_step = step
         metrics = tracked_metrics(row)
         self._submit(f"log step {step}", lambda t: t.log_metrics(step, metrics))
+
+    def log_eval(self, row: dict) -> None:
+        """An evaluation row of the history (one round, one mode), at the step it ran after; returns at once."""
+        step = row.get("step")
+        if not isinstance(step, int) or step < 0:
+            return
+        metrics = tracked_eval_metrics(row)
+        if metrics:
+            what = f"log evaluation round {row.get('round')} ({row.get('mode')})"
+            self._submit(what, lambda t: t.log_eval(step, metrics))
 
     def flush(self, timeout_s: float = FINISH_TIMEOUT_S) -> None:
         """Wait until every tracker has handled what it was given (a blocked one is waited for `timeout_s`)."""

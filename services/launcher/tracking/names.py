@@ -14,7 +14,10 @@ Names are stable (dashboards are built on them) and grouped by prefix:
                (per second of engine time), rollout/sparse_token_fraction, rollout/attended_kv_fraction,
                rollout/<generator>/policy_version, rollout/<generator>/adapter_version
     eval/      evaluation: a row's `eval` table and every `eval_*` field, flattened (eval_avg@4 -> eval/avg@4,
-               eval = {"math": {"pass@4": x}} -> eval/math/pass@4)
+               eval = {"math": {"pass@4": x}} -> eval/math/pass@4); and the history's evaluation rows
+               (`tracked_eval_metrics`), at the step the round ran after: eval/<mode>/<source>/<figure> (mode
+               dense or schedule; figure avg@k, pass@j, prompts, samples), eval/<mode>/seconds, and
+               eval/dense_gap/<source>/<figure> (dense minus scheduled, a round with both modes)
 
 A numeric field of the row not named here (one a newer trainer adds) is tracked as train/<field>, a table
 of numbers as train/<field>/<key>; `step` is the step itself and `time` is the trackers' own timestamp.
@@ -97,6 +100,18 @@ def tracked_metrics(row: dict) -> dict[str, float]:
             _flatten("eval" if key == "eval" else f"eval/{key[len('eval_') :]}", value, out)
         else:
             _flatten(f"train/{key}", value, out)
+    return out
+
+
+def tracked_eval_metrics(row: dict) -> dict[str, float]:
+    """An evaluation row of the history (services/launcher/history.py) under its tracked names (see above)."""
+    mode = row.get("mode") or ("dense" if row.get("dense", True) else "schedule")  # rows from before modes
+    out: dict[str, float] = {}
+    for src, figures in (row.get("sources") or {}).items():
+        _flatten(f"eval/{mode}/{src}", figures, out)
+    for src, figures in (row.get("dense_gap") or {}).items():
+        _flatten(f"eval/dense_gap/{src}", figures, out)
+    _flatten(f"eval/{mode}/seconds", row.get("eval_seconds"), out)
     return out
 
 

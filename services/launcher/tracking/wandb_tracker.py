@@ -1,10 +1,17 @@
-"""Weights & Biases: offline by default (RUN_DIR/wandb/offline-run-*, upload later with `wandb sync`)."""
+"""Weights & Biases: offline by default (RUN_DIR/wandb/offline-run-*, upload later with `wandb sync`).
+
+W&B keeps one step axis that only moves forward (a row for a step below the last one logged is dropped),
+while an evaluation round reports steps after the step it ran after. Its metrics (eval/*) are therefore
+drawn against an axis of their own, eval/step (`define_metric`), and ride on the newest row.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from services.launcher.tracking.base import Tracker
+
+EVAL_STEP = "eval/step"  # the x-axis of the evaluation metrics: the training step each round ran after
 
 
 class WandbTracker(Tracker):
@@ -16,6 +23,7 @@ class WandbTracker(Tracker):
         self.project, self.run_name, self.tags = project, run_name, tags
         self.mode, self.root, self.entity = mode, root, entity
         self._run = None
+        self._step = 0  # the last step logged
 
     def start(self, config: dict) -> None:
         import wandb
@@ -34,9 +42,15 @@ class WandbTracker(Tracker):
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        self._run.define_metric(EVAL_STEP)
+        self._run.define_metric("eval/*", step_metric=EVAL_STEP)
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
+        self._step = max(self._step, step)
+
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log({**metrics, EVAL_STEP: step}, step=max(step, self._step))
 
     def log_images(self, step: int, images: dict[str, Path]) -> None:
         import wandb

@@ -71,9 +71,11 @@ class TrainerExporter:
         m.groups_dead.inc(0)
         m.last_step.set(time.time())
         m.outstanding.set(16)
-        # An evaluation round's figures, as the trainer exports them after each round.
-        m.eval_avg.labels(source="math").set(0.3)
-        m.eval_pass.labels(source="math", k="4").set(0.55)
+        # An evaluation round's figures, dense and under the schedule, as the trainer exports them after each round.
+        m.eval_avg.labels(source="math", mode="dense").set(0.3)
+        m.eval_avg.labels(source="math", mode="schedule").set(0.25)
+        m.eval_pass.labels(source="math", k="4", mode="dense").set(0.55)
+        m.eval_pass.labels(source="math", k="4", mode="schedule").set(0.5)
 
 
 class GeneratorExporter:

@@ -253,6 +253,30 @@ def test_probe_sequences_decode_at_the_probe_budgets_in_the_same_batch(engine):
         assert float((ref - torch.tensor(s.logprobs)).abs().max()) > 1e-2
 
 
+def test_an_evaluation_group_under_the_schedule_is_never_probed(engine):
+    """An eval round's scheduled groups (eval.modes "schedule") measure the schedule: while a probe asks for
+    every new sequence, theirs follow the schedule's budgets, and a training group beside them is probed."""
+    import time
+
+    from sparrow.probe import Probe
+
+    schedule = Schedule(budgets=(96, 128, 160, 192), bin_width=128, version=41, name="eval-scheduled")
+    engine.set_schedule(schedule)
+    engine.set_probe(Probe(41, 1.0, (None, 64, None, None), time.time() + 60))
+    prompt = _prompt(12, 200)
+    evaluation = PromptGroup("es", prompt, 2, 0, Sampling(max_new_tokens=30), evaluation=True)
+    training = PromptGroup("et", prompt, 2, 0, Sampling(max_new_tokens=30))
+    done = _run(engine, [evaluation, training])
+    engine.set_probe(None)
+    engine.set_schedule(None)
+    assert [(s.group_id, s.probe) for s in done] == [("es", False), ("es", False), ("et", True), ("et", True)]
+    for s in done[:2]:
+        plen = len(s.prompt_token_ids)
+        assert s.kv_budgets == [0] + [schedule.budget_for(plen + t) for t in range(1, len(s.token_ids))]
+        assert 128 in s.kv_budgets  # bin 1, where the probe would have run at 64
+    assert all(64 in s.kv_budgets for s in done[2:])
+
+
 def test_a_dense_group_decodes_densely_beside_scheduled_ones_in_the_same_batch(engine):
     """Evaluation samples (a group marked dense) attend to every page under a sparse schedule while the
     batch's other rows follow it (the worker tells their rows by request id); each token matches the

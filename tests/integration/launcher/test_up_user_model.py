@@ -11,6 +11,7 @@ and an export that transformers loads in bf16.
 """
 
 import json
+import re
 import urllib.parse
 import urllib.request
 
@@ -23,6 +24,7 @@ from tests.cli_runner import sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from tests.integration.launcher.helpers import UpProcess
 from tests.servers import prometheus_server
+from tests.tracking_readers import tensorboard_scalars
 
 pytestmark = pytest.mark.slow
 
@@ -61,8 +63,9 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
         "[trainer]\ngroups_per_step = 2\n"
         "[trainer.data]\nchat_template_kwargs = { enable_thinking = false }\n"
         "[trainer.sampling]\nn = 4\nmax_new_tokens = 16\n"
-        "[trainer.eval]\nevery = 2\nk = 2\n"
+        '[trainer.eval]\nevery = 2\nk = 2\nmodes = ["dense", "schedule"]\n'
         "[trainer.reward]\nworkers = 2\n"
+        '[tracking]\nbackends = ["tensorboard"]\n'
         # float32 as the trainer scores (the checkpoint is bf16; vLLM would serve it in bf16 on "auto")
         '[generator.engine]\ndevice = "cpu"\nkernel_backend = "torch"\ndtype = "float32"\n'
     )
@@ -102,25 +105,50 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
         assert s["reward_errors"] == 0 and set(s["reward_by_source"]) == {"toy/arith"}
     assert [r["step"] for r in read_history(run_dir)] == [1, 2]
 
-    # Evaluation before step 1 and after step 2, in the trainer's history, the summary and the report.
+    # Evaluation before step 1 and after step 2, dense and under the run's schedule in the same rounds, in the
+    # trainer's history, the summary and the report.
     evals = summary["evals"]
-    assert [e["step"] for e in evals] == [0, 2] and all(e["complete"] for e in evals)
+    assert [(e["step"], e["mode"]) for e in evals] == [(0, "dense"), (0, "schedule"), (2, "dense"), (2, "schedule")]
+    assert all(e["complete"] for e in evals)
     for e in evals:
         figures = e["sources"]["toy/arith"]
         assert figures["prompts"] == 3 and {"avg@2", "pass@1", "pass@2"} <= set(figures)
-    # ... in the run's metrics history, dense (eval.dense, the default), as the trainer reported them ...
+    for dense, scheduled in zip(evals[::2], evals[1::2], strict=True):
+        gap = dense["sources"]["toy/arith"]["avg@2"] - scheduled["sources"]["toy/arith"]["avg@2"]
+        assert scheduled["dense_gap"]["toy/arith"]["avg@2"] == pytest.approx(gap)
+    # The eval groups went to vLLM as evaluation groups, dense ones asking for dense attention.
+    eval_groups = [g["group"] for g in groups if g.get("kind") == "enqueued" and g["group"]["purpose"] == "eval"]
+    modes = [(re.search(r"-eval\d{4}-([ds])-", g["group_id"]).group(1), g["dense"]) for g in eval_groups]
+    assert set(modes) == {("d", True), ("s", False)}
+    # ... in the run's metrics history, a row per round and mode, as the trainer reported them ...
     eval_rows = read_eval_history(run_dir)
-    assert [(r["round"], r["step"], r["dense"]) for r in eval_rows] == [(0, 0, True), (1, 2, True)]
+    assert [(r["round"], r["step"], r["mode"]) for r in eval_rows] == [
+        (0, 0, "dense"), (0, 0, "schedule"), (1, 2, "dense"), (1, 2, "schedule"),
+    ]  # fmt: skip
     assert [r["sources"] for r in eval_rows] == [e["sources"] for e in evals]
-    # ... and in Prometheus: what the run's own Prometheus scraped, read back from its storage.
+    # ... and in Prometheus per mode: what the run's own Prometheus scraped, read back from its storage.
     with prometheus_server({"none": ["127.0.0.1:1"]}, data_dir=run_dir / "prometheus" / "data") as prom:
-        avg = _samples(prom.url, 'sparrow_trainer_eval_avg_reward{source="toy/arith"}')
-        passed = _samples(prom.url, 'sparrow_trainer_eval_pass_ratio{source="toy/arith",k="2"}')
-    for seen, key in ((avg, "avg@2"), (passed, "pass@2")):
-        figures = [e["sources"]["toy/arith"][key] for e in evals]
-        assert seen and set(seen) <= set(figures) and figures[0] in seen  # round 0's, scraped during the steps
+        seen = {
+            (mode, key): _samples(prom.url, f'{metric}{{source="toy/arith",mode="{mode}"{extra}}}')
+            for mode in ("dense", "schedule")
+            for key, metric, extra in (
+                ("avg@2", "sparrow_trainer_eval_avg_reward", ""),
+                ("pass@2", "sparrow_trainer_eval_pass_ratio", ',k="2"'),
+            )
+        }
+    for (mode, key), values in seen.items():
+        figures = [e["sources"]["toy/arith"][key] for e in evals if e["mode"] == mode]
+        assert values and set(values) <= set(figures) and figures[0] in values  # round 0's, scraped during the steps
     report = (run_dir / "report" / "report.md").read_text()
     assert "## Held-out evaluation" in report and (run_dir / "report" / "eval.png").is_file()
+    assert "| 0 | 0 | v1 | schedule | toy/arith | 3 |" in report
+    # ... and in the experiment tracker, per mode and source at the step each round ran after, with the gap.
+    assert summary["tracking"] == {"tensorboard": "ok"}
+    tb = tensorboard_scalars(run_dir / "tensorboard")
+    for e in evals:
+        name = f"eval/{e['mode']}/toy/arith/avg@2"
+        assert tb[name][e["step"]] == pytest.approx(e["sources"]["toy/arith"]["avg@2"]), name
+    assert sorted(tb["eval/dense_gap/toy/arith/avg@2"]) == [0, 2]
 
     out = tmp_path / "exported"
     result = sparrow("export", run_dir, "--out", out, timeout=300)

@@ -1,5 +1,6 @@
 """Evaluation during training: a held-out set through the (sampling) generator before step 1, every step and
-after the last; avg@k and pass@k per source in evals.jsonl and on /metrics; eval groups are never trained."""
+after the last, dense and under the schedule; avg@k and pass@k per source and mode in evals.jsonl and on
+/metrics; eval groups are never trained."""
 
 import json
 
@@ -15,32 +16,48 @@ from tests.servers import redis_server, wait_until
 
 
 @pytest.mark.slow
-def test_eval_rounds_report_avg_and_pass_at_k(tmp_path):
+def test_eval_rounds_report_avg_and_pass_at_k_dense_and_under_the_schedule(tmp_path):
     heldout = write_parquet(chain_rows(ChainTask(8, 8, 4), 3, seed=1, split="heldout"), tmp_path / "test.parquet")
-    config = _config(
-        tmp_path / "run", "", **{"data.eval_files": [str(heldout)], "eval.every": 1, "eval.k": 4, "steps": 2}
-    )
+    extra = {"data.eval_files": [str(heldout)], "eval.every": 1, "eval.k": 4, "eval.modes": ["dense", "schedule"]}
+    config = _config(tmp_path / "run", "", **extra, steps=2)
     with redis_server() as redis:
         config = config.model_copy(update={"redis_url": redis.url})
         with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
-            wait_until(lambda: len(service.evaluator.results) >= 3, 180, "three evaluation rounds")
+            wait_until(lambda: len(service.evaluator.results) >= 6, 180, "three evaluation rounds, two modes each")
             metrics = _metrics(service.metrics_port)
         entries = redis_client.Redis.from_url(redis.url).xrange(PROMPTS_STREAM)
-    # Eval groups ask the generators for dense attention (eval.dense, the default), training groups do not.
+    # Each round's prompts go out once per mode: dense ones ask the generators for dense attention, scheduled
+    # ones for the schedule; both are evaluation groups (never probes). Training groups are neither.
     groups = [PromptGroup.from_fields(fields) for _, fields in entries]
-    assert {("-eval" in g.group_id, g.dense) for g in groups} == {(True, True), (False, False)}
+    kinds = {("-eval" in g.group_id, g.dense, g.evaluation) for g in groups}
+    assert kinds == {(True, True, True), (True, False, True), (False, False, False)}
+    assert sum(g.dense for g in groups) == sum(g.evaluation and not g.dense for g in groups) == 3 * 3
     evals = [json.loads(line) for line in (tmp_path / "run" / "evals.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 1, 2] and all(e["complete"] and e["dense"] for e in evals)
-    assert [e["policy_version"] for e in evals] == [1, 2, 3]
+    # One line per round and mode, the round's modes in the config's order, the same step and policy version.
+    assert [(e["round"], e["mode"], e["step"]) for e in evals] == [
+        (r, m, r) for r in range(3) for m in ("dense", "schedule")
+    ]
+    assert all(e["complete"] and e["dense"] == (e["mode"] == "dense") for e in evals)
+    assert [e["policy_version"] for e in evals] == [1, 1, 2, 2, 3, 3]
     for e in evals:
         chain = e["sources"]["chain"]
         assert chain["prompts"] == 3 and chain["samples"] == 12
         assert set(chain) == {"prompts", "samples", "avg@4", "pass@1", "pass@2", "pass@4"}
         assert 0 <= chain["pass@1"] <= chain["pass@2"] <= chain["pass@4"] <= 1
         assert chain["pass@1"] == pytest.approx(chain["avg@4"])  # 0/1 rewards: pass@1 is the mean
-    last = evals[-1]["sources"]["chain"]
-    assert metrics["sparrow_trainer_eval_pass_ratio{k=4,source=chain}"] == pytest.approx(last["pass@4"])
-    assert metrics["sparrow_trainer_eval_avg_reward{source=chain}"] == pytest.approx(last["avg@4"])
+    for dense, scheduled in zip(evals[::2], evals[1::2], strict=True):
+        # The gap rides on the scheduled line: dense minus scheduled, figure by figure.
+        assert "dense_gap" not in dense
+        d, s = dense["sources"]["chain"], scheduled["sources"]["chain"]
+        assert scheduled["dense_gap"]["chain"] == pytest.approx(
+            {key: d[key] - s[key] for key in ("avg@4", "pass@1", "pass@2", "pass@4")}
+        )
+    for e in evals[-2:]:
+        last, mode = e["sources"]["chain"], e["mode"]
+        assert metrics[f"sparrow_trainer_eval_pass_ratio{{k=4,mode={mode},source=chain}}"] == pytest.approx(
+            last["pass@4"]
+        )
+        assert metrics[f"sparrow_trainer_eval_avg_reward{{mode={mode},source=chain}}"] == pytest.approx(last["avg@4"])
     trained = {gid for s in _steps(tmp_path / "run") for gid in s["groups"]}
     assert not any("-eval" in gid for gid in trained)
     assert pass_at_k(4, 1, 4) == 1.0

@@ -97,3 +97,11 @@ def test_a_dense_group_round_trips_and_a_training_group_carries_no_dense_field()
     assert PromptGroup.from_json(plain.to_json()).dense is False
     with pytest.raises(WorkItemError, match="dense must be true or false"):
         PromptGroup.from_json(json.dumps({**json.loads(plain.to_json()), "dense": 1}))
+
+
+def test_an_evaluation_group_round_trips_and_a_training_group_carries_no_evaluation_field():
+    g = _group(evaluation=True)
+    assert json.loads(g.to_json())["evaluation"] is True and PromptGroup.from_json(g.to_json()) == g
+    assert "evaluation" not in json.loads(_group().to_json())
+    with pytest.raises(WorkItemError, match="evaluation must be true or false"):
+        PromptGroup.from_json(json.dumps({**json.loads(_group().to_json()), "evaluation": "yes"}))

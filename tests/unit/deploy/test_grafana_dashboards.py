@@ -78,6 +78,13 @@ def test_the_issue_panels_exist():
     assert shown("sparrow_generator_queue_lag_entries")
     assert shown("sparrow_trainer_policy_version") and shown("sparrow_generator_schedule_version")
     assert shown("sparrow_trainer_reward_mean") and shown("sparrow_trainer_response_length_tokens")
+    # Evaluation per mode (dense, under the schedule), and the accuracy the schedule costs: dense minus scheduled.
+    evaluation = by_title["Held-out evaluation (avg@k, pass@k per source and mode)"]["targets"]
+    assert all("mode)" in t["expr"] and "{{mode}}" in t["legendFormat"] for t in evaluation)
+    gap = by_title["Held-out accuracy lost to the schedule (dense minus scheduled)"]["targets"]
+    for target, metric in zip(gap, ("sparrow_trainer_eval_avg_reward", "sparrow_trainer_eval_pass_ratio"), strict=True):
+        dense, scheduled = target["expr"].split(" - ")
+        assert f'{metric}{{mode="dense"}}' in dense and f'{metric}{{mode="schedule"}}' in scheduled
 
 
 def test_provisioning_matches_compose():

@@ -208,10 +208,24 @@ def test_probe_samples_decode_at_the_probe_budgets_and_score_like_them(engine):
     prompt = chain_prompt(pairs=16, hops=8)
     engine.submit(_group(n=2, prompt=prompt, temperature=0.7, max_new_tokens=60))
     plain, probe = sorted(engine.step(), key=lambda s: s.sample_index)
+    # An evaluation group under the schedule (eval.modes "schedule") is never probed: its samples are the schedule's.
+    g = _group("ev", n=2, prompt=prompt, temperature=0.7, max_new_tokens=60)
+    engine.submit(PromptGroup(**{**g.__dict__, "evaluation": True}))
+    evaluated = engine.step()
     engine.set_probe(None)
     engine.set_schedule(None)
     assert (plain.probe, probe.probe) == (False, True)
     plen = len(prompt)
+    for s in evaluated:
+        assert (
+            not s.probe
+            and 80 in s.kv_budgets
+            and s.kv_budgets[1:]
+            == [
+                b if b < plen + i else 0
+                for i, b in ((i, schedule.budget_for(plen + i)) for i in range(1, len(s.token_ids)))
+            ]
+        )
     probe_schedule = schedule.with_budgets((48, 48))  # the probe's budgets as a schedule, for the scorer
     scorer = Scorer(load_model(TINY), backend="torch")
     for s, rule in ((plain, schedule), (probe, probe_schedule)):

@@ -168,3 +168,17 @@ def test_evaluation_rounds_get_rows_of_their_own_among_the_steps(tmp_path):
     assert rows[1]["sources"]["toy/arith"]["avg@2"] == 0.5 and history.eval_rows == rows
     kinds = [json.loads(line).get("kind") for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert kinds == ["eval", "eval", None, None]  # in the order they ended: round 1 was in before these steps' rows
+
+
+def test_a_round_dense_and_under_the_schedule_gets_a_row_per_mode_with_the_gap(tmp_path):
+    history = _history(tmp_path, {})
+    dense = {**_round(0, 0, 0.5), "mode": "dense"}
+    gap = {"toy/arith": {"avg@2": 0.25, "pass@1": 0.25, "pass@2": 0.0}}
+    scheduled = {**_round(0, 0, 0.25), "mode": "schedule", "dense": False, "dense_gap": gap}
+    older = {**_round(1, 2, 0.5), "dense": False}  # a trainer from before eval.modes: `dense` only
+    history.sources.evals_file.write_text("".join(json.dumps(r) + "\n" for r in (dense, scheduled, older)))
+    history.poll()
+    rows = read_eval_history(tmp_path)
+    assert [(r["round"], r["mode"], r["dense"]) for r in rows] == [(0, "dense", True), (0, "schedule", False),
+                                                                    (1, "schedule", False)]  # fmt: skip
+    assert "dense_gap" not in rows[0] and rows[1]["dense_gap"] == gap and "dense_gap" not in rows[2]

@@ -12,7 +12,7 @@ import pytest
 
 from services.launcher.tracking.config import TrackingConfig
 from services.launcher.tracking.factory import backend_dirs, missing_backends, open_trackers
-from services.launcher.tracking.names import tracked_metrics
+from services.launcher.tracking.names import tracked_eval_metrics, tracked_metrics
 from tests.tracking_readers import mlflow_run, mlflow_series, tensorboard_images, tensorboard_scalars, wandb_offline_run
 
 
@@ -110,6 +110,85 @@ def test_every_backend_reads_back_each_step_once_with_the_config_and_the_plots(t
     assert {s: h["train/reward"] for s, h in by_step.items()} == pytest.approx(want_reward)
     assert {s: h["tail/bin_0/p5"] for s, h in by_step.items()} == pytest.approx(want_p5)
     assert by_step[3]["report/p5/_type"] == "image-file"
+
+
+def eval_row(rnd: int, step: int, mode: str, avg: float, **extra) -> dict:
+    """An evaluation row of the history as services/launcher/history.py writes it."""
+    figures = {"prompts": 3, "samples": 12, "avg@4": avg, "pass@1": avg, "pass@4": min(1.0, 2 * avg)}
+    return {
+        "kind": "eval",
+        "step": step,
+        "round": rnd,
+        "time": 1.0e9,
+        "elapsed_s": 1.0,
+        "policy_version": step + 1,
+        "k": 4,
+        "mode": mode,
+        "dense": mode == "dense",
+        "complete": True,
+        "prompts": 3,
+        "sources": {"toy/arith": figures},
+        "eval_seconds": 2.5,
+        **extra,
+    }
+
+
+def _round(rnd: int, step: int, dense: float, scheduled: float) -> list[dict]:
+    gap = {"toy/arith": {"avg@4": dense - scheduled, "pass@1": dense - scheduled}}
+    return [eval_row(rnd, step, "dense", dense), eval_row(rnd, step, "schedule", scheduled, dense_gap=gap)]
+
+
+def test_an_eval_row_is_tracked_per_mode_and_source_with_the_gap():
+    dense, scheduled = _round(1, 2, 0.5, 0.25)
+    assert tracked_eval_metrics(dense) == {
+        "eval/dense/toy/arith/prompts": 3,
+        "eval/dense/toy/arith/samples": 12,
+        "eval/dense/toy/arith/avg@4": 0.5,
+        "eval/dense/toy/arith/pass@1": 0.5,
+        "eval/dense/toy/arith/pass@4": 1.0,
+        "eval/dense/seconds": 2.5,
+    }
+    m = tracked_eval_metrics(scheduled)
+    assert m["eval/schedule/toy/arith/avg@4"] == 0.25 and m["eval/schedule/toy/arith/pass@4"] == 0.5
+    assert m["eval/dense_gap/toy/arith/avg@4"] == 0.25 and m["eval/dense_gap/toy/arith/pass@1"] == 0.25
+    # A row of a trainer from before eval.modes (no mode, `dense` only) is tracked under its mode all the same.
+    old = {k: v for k, v in eval_row(0, 0, "schedule", 0.1).items() if k != "mode"}
+    assert tracked_eval_metrics(old)["eval/schedule/toy/arith/avg@4"] == 0.1
+
+
+def test_every_backend_reads_back_each_eval_round_at_the_step_it_ran_after(tmp_path):
+    run_dir = tmp_path / "run"
+    messages = []
+    trackers = open_trackers(_all_three(tmp_path), run_dir, {"up": {"steps": 3}}, messages.append)
+    # Round 0 runs before step 1; round 1 runs after step 2 and ends after step 3 was logged (training goes
+    # on while a round generates): the order the history hands them over.
+    for r in [*_round(0, 0, 0.5, 0.25), row(1), row(2), row(3), *_round(1, 2, 0.75, 0.5)]:
+        if r.get("kind") == "eval":
+            trackers.log_eval(r)
+        else:
+            trackers.log_row(r)
+    trackers.finish(None)
+    assert messages == [] and trackers.status == {"tensorboard": "ok", "wandb": "ok", "mlflow": "ok"}
+
+    want = {
+        "eval/dense/toy/arith/avg@4": {0: 0.5, 2: 0.75},
+        "eval/schedule/toy/arith/avg@4": {0: 0.25, 2: 0.5},
+        "eval/dense_gap/toy/arith/avg@4": {0: 0.25, 2: 0.25},
+    }
+    tb = tensorboard_scalars(run_dir / "tensorboard")
+    client, run = mlflow_run((run_dir / "mlruns").as_uri(), "proj")
+    for name, series in want.items():
+        assert tb[name] == pytest.approx(series), name
+        assert mlflow_series(client, run.info.run_id, name.replace("@", "_")) == pytest.approx(series), name
+    assert tb["train/reward"] == pytest.approx({1: 0.25, 2: 0.5, 3: 0.75})  # the steps' own rows untouched
+
+    # W&B: a step below the last one logged would be dropped; the figures ride on the newest row, against
+    # their own axis eval/step (define_metric), so that none is lost and each is drawn at its step.
+    _config, history = wandb_offline_run(run_dir)
+    evals = [h for h in history if "eval/step" in h]
+    for name, series in want.items():
+        assert {h["eval/step"]: h[name] for h in evals if name in h} == pytest.approx(series), name
+    assert sorted(h["_step"] for h in history if "train/reward" in h) == [1, 2, 3]
 
 
 def test_a_backend_that_fails_mid_run_is_reported_once_and_dropped_while_the_others_go_on(tmp_path):

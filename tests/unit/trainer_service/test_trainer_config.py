@@ -55,11 +55,26 @@ def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
         ({"grpo.tis_cap": 0.5}, "grpo.tis_cap"),
         ({"device": "tpu"}, "device"),
         ({"optim.learning_rate": 1e-5}, "unknown config key 'optim.learning_rate'"),
+        ({"eval.modes": []}, "eval.modes"),
+        ({"eval.modes": ["sparse"]}, "eval.modes"),
+        ({"eval.modes": ["dense", "dense"]}, "names a mode twice"),
+        ({"eval.modes": ["dense", "schedule"], "eval.dense": True}, "keep eval.modes"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(TrainerServiceConfig, overrides=override)
+
+
+@pytest.mark.parametrize(("dense", "modes"), [(True, ["dense"]), (False, ["schedule"])])
+def test_the_older_eval_dense_key_reads_as_its_modes(tmp_path, dense, modes):
+    path = tmp_path / "trainer.toml"
+    path.write_text(f"[eval]\ndense = {str(dense).lower()}\n")
+    config = load_config(TrainerServiceConfig, path)
+    assert config.eval.modes == modes and config.eval.dense is None
+    # What a child's config file holds (written from the dump, TOML has no null) reads back the same.
+    again = TrainerServiceConfig(**json.loads(config.model_dump_json()))
+    assert again.eval == config.eval
 
 
 def test_cli_prints_the_resolved_config_and_refuses_a_bad_one(tmp_path):
