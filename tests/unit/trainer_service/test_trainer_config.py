@@ -55,6 +55,9 @@ def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
         ({"grpo.tis_cap": 0.5}, "grpo.tis_cap"),
         ({"device": "tpu"}, "device"),
         ({"optim.learning_rate": 1e-5}, "unknown config key 'optim.learning_rate'"),
+        ({"memory.cpu_offload": True}, 'device = "cpu" has none to move'),
+        ({"memory.activation_checkpointing": "always"}, "memory.activation_checkpointing"),
+        ({"memory.checkpoint_min_tokens": 0}, "memory.checkpoint_min_tokens"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):
