@@ -232,6 +232,7 @@ def test_the_trainer_runs_one_torchrun_rank_per_gpu():
     assert four["command"] == ["python", "-m", "torch.distributed.run"]
     assert four["args"] == [
         "--standalone", "--nproc-per-node", "4", "--max-restarts", "5",
+        "--shutdown-timeout", "290",  # the pod's grace period (300 s) less 10 s to checkpoint in, not torchrun's 30
         "-m", "sparrow_cli.main", "trainer", "--config", config,
     ]  # fmt: skip
     assert four["resources"]["limits"]["nvidia.com/gpu"] == 4
