@@ -72,8 +72,8 @@ DTYPES = ("float32",) if DRY else ("float32", "bfloat16")  # bf16 is broken in T
 PHASES = [
     ("env", 45),
     ("kernels", 110),
-    ("decode", 115),
-    ("attention", 100),
+    ("decode", 130),
+    ("attention", 85),
     ("model", 120),
     ("trainer_memory", 45),
     ("parity", 240),
