@@ -35,6 +35,10 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
               budgets and a full one (checked against the eager steps and the dense one): what
               vLLM's full graphs would run with `cuda_graphs = "full"`. The sparse step at a full
               budget checked against the dense one. Without vLLM's step overhead; not vLLM's figure
+  trainer_memory  two FSDP2 bf16 update steps of a Qwen3-0.6B-shaped model (8 layers, 151,936
+              vocabulary) on four 4K rollouts: resident vs per-layer activation checkpointing vs
+              checkpointing and CPU offload of the shards and AdamW state; gradients agree, the
+              offloaded state is on the CPU, peak GPU memory falls at each (bench/cuda_trainer_memory.py)
   parity      (vLLM) stock vLLM (TRITON_ATTN) vs the plugin, float32, greedy, a random Qwen3 with
               head_dim 128: sampled-token logprobs over the common prefix within 2e-2 at a budget
               covering every page in every layer (vLLM's float32 kernel may use TF32; ours does not),
@@ -68,10 +72,11 @@ DTYPES = ("float32",) if DRY else ("float32", "bfloat16")  # bf16 is broken in T
 # (phase, time limit in seconds), cheapest and most telling first.
 PHASES = [
     ("env", 45),
-    ("kernels", 130),
+    ("kernels", 110),
     ("decode", 130),
-    ("attention", 100),
+    ("attention", 85),
     ("model", 120),
+    ("trainer_memory", 45),
     ("parity", 240),
     ("throughput", 330),
 ]
@@ -571,6 +576,13 @@ def _vllm_decode(q, k, v, table, lens, scale):
         return out
 
     return run
+
+
+def phase_trainer_memory(rec: Record) -> None:
+    """FSDP2 CPU offload and activation checkpointing on the trainer's own update (bench/cuda_trainer_memory.py)."""
+    from bench.cuda_trainer_memory import run
+
+    run(rec, DEVICE, DRY)
 
 
 def _random_qwen3(folder: Path, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, dtype):

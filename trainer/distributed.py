@@ -4,8 +4,11 @@
 NCCL on CUDA, gloo on CPU, with a collective timeout so that a dead or hung rank ends every other
 rank within that time instead of never. `shard` applies FSDP2 (`fully_shard`) to every decoder
 layer and to the root, with a mixed-precision policy (parameters cast to the compute dtype for the
-forward and backward, float32 master weights and gradient reduction). CPU offload and per-layer
-activation checkpointing are not wired yet. DistillSparse's actor shares the policy's tensors
+forward and backward, float32 master weights and gradient reduction) and, where asked, FSDP2's CPU
+offload: the float32 shards and their optimizer state live in pinned host memory, each layer's
+parameters come to the GPU for its forward and backward only, and the optimizer steps on the CPU.
+Per-layer activation checkpointing is trainer/activation_checkpoint.py (with or without FSDP2).
+DistillSparse's actor shares the policy's tensors
 (trainer/distill.py), which two FSDP trees cannot: it runs in one process only.
 
 Every rank takes its share of a step's rollouts (`share`). Under FSDP each forward and backward is
@@ -79,18 +82,23 @@ def close() -> None:
         dist.destroy_process_group()
 
 
-def shard(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+def shard(model: torch.nn.Module, dtype: torch.dtype | None = None, cpu_offload: bool = False) -> torch.nn.Module:
     """`model` (a transformers causal LM) sharded in place by FSDP2: each decoder layer, then the root.
 
     `dtype` is the compute dtype of the parameters in forward and backward (None: their own);
-    gradients are reduced in float32 and kept with the float32 master weights.
+    gradients are reduced in float32 and kept with the float32 master weights. `cpu_offload` keeps
+    the shards, their gradients and so the optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy); it needs CUDA (pinned memory), and ValueError says so on a CPU process group.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if cpu_offload and _device().type != "cuda":
+        raise ValueError("CPU offload moves FSDP2 shards off a GPU; this process group runs on the CPU")
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for layer in model.get_decoder().layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 
 
@@ -158,3 +166,12 @@ def control_group(timeout_s: float) -> Any:
 
 def _device() -> torch.device:
     return torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def compute_device(model: torch.nn.Module) -> torch.device:
+    """Where `model`'s forward runs: its parameters' device, or the GPU of FSDP2 shards offloaded to host memory."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)  # a DTensor shard of FSDP2
+    if mesh is not None and mesh.device_type == "cuda" and param.device.type == "cpu":
+        return torch.device("cuda", torch.cuda.current_device())
+    return param.device

@@ -138,7 +138,7 @@ def grpo_update(
     """
     if len(old_logprobs) != len(rollouts):
         raise ValueError(f"{len(rollouts)} rollouts but {len(old_logprobs)} old logprob rows")
-    device = next(model.parameters()).device
+    device = distributed.compute_device(model)  # the GPU also when the shards are offloaded
     batches = micro_batches(rollouts, advantages, config.micro_batch_size, config.max_tokens_per_microbatch)
     local_tokens = sum(len(r.token_ids) for r in rollouts)
     num_tokens = global_token_count(torch.tensor([float(local_tokens)], device=device))

@@ -84,8 +84,10 @@ class Scorer:
 
     @property
     def device(self) -> torch.device:
-        """Where the model's weights live."""
-        return next(self.model.parameters()).device
+        """Where the model's forward runs (the GPU also when FSDP2 keeps its shards in host memory)."""
+        from trainer.distributed import compute_device
+
+        return compute_device(self.model)
 
     @torch.no_grad()
     def score(

@@ -72,8 +72,8 @@ class UpConfig(SparrowConfig):
     trainer_restarts: int = Field(
         3,
         ge=0,
-        description="With several trainer processes: times torchrun starts every rank again after one fails "
-        "(they resume from the last checkpoint) before the run fails.",
+        description="Times a crashed trainer is started again before the run fails (it resumes from its last "
+        "checkpoint): with one process by sparrow up, with several by torchrun, every rank after one fails.",
     )
     with_controller: bool = Field(True, description="Run the controller (closed-loop schedule); false: fixed schedule.")
     dense: bool = Field(False, description="Dense rollouts: generators run without a schedule (and no controller).")

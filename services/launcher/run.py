@@ -7,6 +7,9 @@ SIGTERM), a service that fails, or a run with no step for `timeouts.step_s` ends
 generator that exits is reported and the run goes on with the others (its claimed groups are
 reclaimed); only when none is left does the run fail. A sandbox that exits is started again (up to
 `sandbox_restarts` times, after 0, 1, 2, 4, 8 s): the rewards that need it wait and retry meanwhile.
+A trainer that crashes is started again too (`trainer_restarts` times): with one process by this
+run, with several by torchrun inside it; it resumes from its last checkpoint, and the groups it had
+trained after that are trained again, never twice (its checkpoint names them).
 Whatever the end, every child is stopped, the work ledger is read from Redis before Redis stops, and
 the report is written from the history.
 """
@@ -220,6 +223,9 @@ class UpRun:
                     self._take_rows()
                     if code == 0 and len(self.history.rows) >= up.steps:
                         return
+                    if self._trainer_restarts(code):
+                        self._schedule_restart(child, code, up.trainer_restarts, "it resumes from its checkpoint")
+                        continue
                     raise RunError(f"the trainer exited ({describe_exit(code)}):\n{child.log_tail()}")
                 if child.spec.role == "generator":
                     left = len(self.cluster.alive("generator"))
@@ -230,22 +236,29 @@ class UpRun:
                         raise RunError(f"every generator has exited; the last:\n{child.log_tail()}")
                     continue
                 if child.spec.role == "sandbox":
-                    self._schedule_restart(child, code)
+                    self._schedule_restart(child, code, up.sandbox_restarts, "its rewards wait")
                     continue
                 raise RunError(f"{child.name} exited ({describe_exit(code)}):\n{child.log_tail()}")
             if time.monotonic() - last_step > up.timeouts.step_s:
                 raise RunError(f"no training step finished in {up.timeouts.step_s:.0f} s; see the logs")
             time.sleep(up.timeouts.poll_s)
 
-    def _schedule_restart(self, child, code: int) -> None:
-        limit = self.plan.up.sandbox_restarts
+    def _trainer_restarts(self, code: int) -> bool:
+        """Whether this run starts an exited trainer again (torchrun does it for several processes).
+
+        Not a clean exit before the last step (a bug a restart would meet again), not a setup error
+        (exit 2: one line about the config or the run dir, the same on every start).
+        """
+        return self.plan.up.trainer_procs == 1 and code not in (0, 2)
+
+    def _schedule_restart(self, child, code: int, limit: int, meanwhile: str) -> None:
         if child.restarts >= limit:
             raise RunError(
                 f"{child.name} exited ({describe_exit(code)}) after {child.restarts} restart(s):\n{child.log_tail()}"
             )
         delay = 0.0 if child.restarts == 0 else float(min(2 ** (child.restarts - 1), 8))
         message = f"{child.name} exited ({describe_exit(code)}); restarting it in {delay:.0f} s"
-        message += f" ({child.restarts + 1} of {limit}); its rewards wait"
+        message += f" ({child.restarts + 1} of {limit}); {meanwhile}"
         log.warning(message)
         self.progress.event(message)
         self._restart_due[child.name] = time.monotonic() + delay

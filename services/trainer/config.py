@@ -256,6 +256,29 @@ class DistributedConfig(ConfigSection):
     )
 
 
+class MemoryConfig(ConfigSection):
+    """What the trainer trades for memory: recompute of decoder layers, host memory for the shards."""
+
+    activation_checkpointing: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Recompute each decoder layer's forward in the backward, keeping only its input (about a "
+        "third more compute for a fraction of the activations): auto from checkpoint_min_tokens positions in a "
+        "micro-batch on, on always, off never (trainer/activation_checkpoint.py).",
+    )
+    checkpoint_min_tokens: int = Field(
+        4096,
+        ge=1,
+        description="With activation_checkpointing = auto: a micro-batch of at least this many positions (rows x "
+        "padded length) checkpoints its layers; shorter ones keep their activations.",
+    )
+    cpu_offload: bool = Field(
+        False,
+        description="Keep the FSDP2 shards of the float32 weights, their gradients and the optimizer state in host "
+        "memory (FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU): needs device = cuda and several "
+        "trainer processes.",
+    )
+
+
 class EvalConfig(ConfigSection):
     """Evaluation during training on data.eval_files, through the generator fleet (services/trainer/evaluation.py)."""
 
@@ -348,6 +371,7 @@ class TrainerServiceConfig(SparrowConfig):
     distributed: DistributedConfig = Field(
         default_factory=DistributedConfig, description="Several processes under torchrun."
     )
+    memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Activation checkpointing, CPU offload.")
 
     @property
     def outstanding_groups(self) -> int:
@@ -362,6 +386,10 @@ class TrainerServiceConfig(SparrowConfig):
             ChainTask(self.task.pairs, self.task.max_hops, self.task.min_hops, self.task.name_pool)
         except TaskError as exc:
             raise ValueError(f"task: {exc}") from None
+        if self.memory.cpu_offload and self.device != "cuda":
+            raise ValueError(
+                'memory.cpu_offload moves the shards of a GPU trainer to host memory; device = "cpu" has none to move'
+            )
         if self.data.ratios and len(self.data.ratios) != len(self.data.train_files):
             raise ValueError(
                 f"data.ratios has {len(self.data.ratios)} entries for {len(self.data.train_files)} data.train_files"

@@ -58,6 +58,8 @@ def check_world(config: TrainerServiceConfig, world: int) -> None:
         )
     if world > 1 and config.alpha == "exact":  # the other ranks' steps run no sparse forward to pair with it
         raise RankSetupError(f'alpha = "exact" runs in one trainer process; {world} processes were asked for')
+    if world == 1 and config.memory.cpu_offload:  # one process holds a plain module, no shards to offload
+        raise RankSetupError("memory.cpu_offload offloads the FSDP2 shards of several trainer processes; 1 was asked")
     samples = config.groups_per_step * config.sampling.n
     if config.distributed.even_shares and samples % world:
         raise RankSetupError(
@@ -67,13 +69,20 @@ def check_world(config: TrainerServiceConfig, world: int) -> None:
 
 
 def build_policy(config: TrainerServiceConfig) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """The policy (FSDP2-sharded over the ranks when distributed) and its AdamW, as every rank builds them."""
+    """The policy (FSDP2-sharded over the ranks when distributed) and its AdamW, as every rank builds them.
+
+    Its decoder layers checkpoint their activations as `[trainer.memory]` says, in one process too.
+    """
+    from trainer.activation_checkpoint import checkpoint_layers
     from trainer.model_io import load_model
 
     model = load_model(config.model_dir, config.device)
+    m = config.memory
+    if m.activation_checkpointing != "off":
+        checkpoint_layers(model, m.checkpoint_min_tokens if m.activation_checkpointing == "auto" else 0)
     if distributed.active():
         dtype = getattr(torch, config.dtype)
-        distributed.shard(model, None if dtype == torch.float32 else dtype)
+        distributed.shard(model, None if dtype == torch.float32 else dtype, cpu_offload=m.cpu_offload)
     o = config.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), weight_decay=o.weight_decay)
     return model, optimizer

@@ -129,3 +129,35 @@ def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tm
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("rank 1 of 2 follows rank 0") == 2  # the first ranks and the restarted ones
     assert "resumed from step-" in log
+
+
+@pytest.mark.slow
+def test_a_single_trainer_process_killed_mid_run_is_started_again_and_the_run_completes(tmp_path):
+    """SIGKILL to the one trainer process after step 1: sparrow up starts it again, it resumes from its checkpoint,
+    and the run completes with no group lost or trained twice."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(tmp_path / "up.toml")
+    up = UpProcess(
+        "--config", str(config), "--model-size", "tiny", "--steps", "3",
+        "--generators", "1", "--no-controller", "--run-dir", str(run_dir), "--json",
+    )  # fmt: skip
+    try:
+        first = wait_for_processes(up, run_dir, {"trainer"}, 300)["trainer"]
+        event = up.next_object(300)
+        while event["type"] != "step":
+            event = up.next_object(300)
+        os.kill(first["pid"], signal.SIGKILL)
+        code = up.wait(400)
+    finally:
+        up.kill()
+    assert code == 0, up.proc.stderr.read()[-3000:]
+    (summary,) = [o for o in up.lines if o["type"] == "summary"]
+    assert summary["outcome"] == "completed" and summary["steps_done"] == 3
+    work = summary["work"]
+    assert work["lost"] == [] and work["trained_twice"] == [] and work["groups_trained"] == 6
+    assert json.loads((run_dir / "work.json").read_text()) == work
+    restarted = processes(run_dir)["trainer"]
+    assert restarted["restarts"] == 1 and restarted["pid"] != first["pid"]
+    launcher_log = (run_dir / "logs" / "up.log").read_text()
+    assert "trainer exited (signal SIGKILL); restarting it in 0 s (1 of 3)" in launcher_log, launcher_log[-3000:]
+    assert "resumed from step-" in (run_dir / "logs" / "trainer.log").read_text()

@@ -54,10 +54,12 @@ def test_dry_run_passes_every_phase_that_runs_without_a_gpu(tmp_path):
     phases = report["phases"]
     failures = {n: p.get("error", p.get("checks")) for n, p in phases.items() if p["status"] not in ("ok", "skipped")}
     assert not failures, str(failures)[-3000:]
-    assert [n for n, p in phases.items() if p["status"] == "ok"] == ["env", "kernels", "decode", "attention", "model"]
+    ok = [n for n, p in phases.items() if p["status"] == "ok"]
+    assert ok == ["env", "kernels", "decode", "attention", "model", "trainer_memory"]
     assert {phases[n]["reason"] for n in ("parity", "throughput")} == {"dry run"}
     # The phases' checks ran (a phase with no checks would read "ok" too).
     assert len(phases["kernels"]["checks"]) >= 10 and phases["decode"]["checks"]["failed_tests"]["value"] == 0
+    assert len(phases["trainer_memory"]["checks"]) >= 8  # gradients and losses of both steps, two ways
     attention = phases["attention"]["checks"]
     assert {"dense_ours_vs_sdpa_max_rel", "full_budget_vs_dense_max_rel"} <= set(attention)
     assert phases["decode"]["tests"], "the decode tests were not collected"

@@ -70,6 +70,14 @@ def test_services_and_scalable_generator():
     for name in ("generator", "trainer"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"]
+    # The trainer: torchrun with one rank per GPU it reserves, the same count (one by default).
+    trainer = services["trainer"]
+    (device,) = trainer["deploy"]["resources"]["reservations"]["devices"]
+    launcher = trainer["entrypoint"]
+    assert launcher[:3] == ["python", "-m", "torch.distributed.run"] and launcher[-2:] == ["-m", "sparrow_cli.main"]
+    assert launcher[launcher.index("--nproc-per-node") + 1] == device["count"] == "${SPARROW_TRAINER_GPUS:-1}"
+    grace_s = int(trainer["stop_grace_period"].removesuffix("m")) * 60
+    assert int(launcher[launcher.index("--shutdown-timeout") + 1]) < grace_s
 
 
 def test_images_ports_and_environment_match_the_chart_defaults():

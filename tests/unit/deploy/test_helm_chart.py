@@ -224,6 +224,24 @@ def test_workloads_run_unprivileged_with_probes_and_gpus():
     assert "tcpSocket" in container(objects(ALL_ON_HPA), "generator")["readinessProbe"]
 
 
+def test_the_trainer_runs_one_torchrun_rank_per_gpu():
+    config = "/etc/sparrow/config/trainer.toml"
+    alone = container(objects(), "trainer")  # the default: one GPU, the trainer alone
+    assert "command" not in alone and alone["args"] == ["trainer", "--config", config]
+    four = container(objects({"trainer": {"gpu": {"count": 4}, "restarts": 5}}), "trainer")
+    assert four["command"] == ["python", "-m", "torch.distributed.run"]
+    assert four["args"] == [
+        "--standalone", "--nproc-per-node", "4", "--max-restarts", "5",
+        "--shutdown-timeout", "290",  # the pod's grace period (300 s) less 10 s to checkpoint in, not torchrun's 30
+        "-m", "sparrow_cli.main", "trainer", "--config", config,
+    ]  # fmt: skip
+    assert four["resources"]["limits"]["nvidia.com/gpu"] == 4
+    cpu = container(objects({"trainer": {"procs": 3, "gpu": {"count": 0}}}), "trainer")  # gloo ranks, no GPU
+    assert cpu["args"][:3] == ["--standalone", "--nproc-per-node", "3"]
+    one = container(objects({"trainer": {"procs": 1, "gpu": {"count": 4}}}), "trainer")  # four GPUs, one process
+    assert "command" not in one and one["args"][0] == "trainer"
+
+
 def test_generator_replicas_are_left_to_the_autoscaler():
     (plain,) = find(objects(), "Deployment", "generator")
     assert plain["spec"]["replicas"] == 2

@@ -25,6 +25,8 @@ SCHEMA_CASES = [
     ({"controller": {"prometheusUrl": "prometheus:9090"}}, ["/controller/prometheusUrl"]),
     ({"generator": {"autoscaling": {"hpa": {"maxReplicas": 0}}}}, ["/generator/autoscaling/hpa/maxReplicas"]),
     ({"redis": {"external": {"database": 16}}}, ["/redis/external/database"]),
+    ({"trainer": {"procs": -1}}, ["/trainer/procs", "minimum"]),
+    ({"trainer": {"restarts": "often"}}, ["/trainer/restarts", "integer"]),
 ]
 
 # Combinations a schema cannot express, refused by the templates with a one-line reason.
@@ -42,6 +44,15 @@ TEMPLATE_CASES = [
         "minReplicas 4 is above maxReplicas 3",
     ),
     ({"redis": {"enabled": False}}, "redis.external.host is required"),
+    ({"trainer": {"procs": 2, "gpu": {"count": 4}}}, "trainer.procs 2 does not match trainer.gpu.count 4"),
+    (
+        {"trainer": {"gpu": {"count": 2}, "config": {"distill": {"enabled": True}}}},
+        "trainer.config.distill.enabled trains the DistillSparse adapter in one trainer process; trainer.procs is 2",
+    ),
+    (
+        {"trainer": {"procs": 2, "gpu": {"count": 0}, "config": {"alpha": "exact"}}},
+        "trainer.config.alpha = exact runs in one trainer process; trainer.procs is 2",
+    ),
     (
         {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
         "enable serviceMonitor or podMonitor, not both",

@@ -59,6 +59,9 @@ def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
         ({"eval.modes": ["sparse"]}, "eval.modes"),
         ({"eval.modes": ["dense", "dense"]}, "names a mode twice"),
         ({"eval.modes": ["dense", "schedule"], "eval.dense": True}, "keep eval.modes"),
+        ({"memory.cpu_offload": True}, 'device = "cpu" has none to move'),
+        ({"memory.activation_checkpointing": "always"}, "memory.activation_checkpointing"),
+        ({"memory.checkpoint_min_tokens": 0}, "memory.checkpoint_min_tokens"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):
