@@ -9,15 +9,21 @@ the controller aims for, the budget the schedule gave each bin, and the step's a
 
 It also prints, as JSON, how each run ended: per bin, the last `--last` steps' readings (their
 mean, the share at or above tau and the share inside the band), the final budgets, the schedule
-versions published and the attended-KV fraction over those steps.
+versions published and the attended-KV fraction over those steps. The trainer's own record of
+each step (RUN_DIR/trainer/steps.jsonl) adds, where the run has them, p1 per bin, the exact
+series of a run with `[trainer] alpha = "exact"` (its p5 readings summarised as the bound's are,
+`exact_*`), the accuracy, the predicted speedup and the step's time with and without the exact pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+
+TRAINER_STEPS = Path("trainer") / "steps.jsonl"  # the trainer's record of each step, in the run folder
 
 
 def load_rows(run_dir: Path) -> list[dict]:
@@ -29,7 +35,57 @@ def load_rows(run_dir: Path) -> list[dict]:
     rows = [r for r in read_history(Path(run_dir)) if "step" in r]
     if not rows:
         raise ValueError(f"{run_dir / HISTORY_FILE}: no steps recorded")
+    trainer = _trainer_steps(Path(run_dir) / TRAINER_STEPS)
+    for row in rows:
+        step = trainer.get(row["step"])
+        if step is None:
+            continue
+        bins = step.get("alpha_bins") or []
+        row["p1"] = {str(b["bin"]): b["p1"] for b in bins if _finite(b.get("p1"))}
+        exact = {str(b["bin"]): b["exact_p5"] for b in bins if _finite(b.get("exact_p5"))}
+        if exact:
+            row["p5_exact"] = exact
+            row["p1_exact"] = {str(b["bin"]): b["exact_p1"] for b in bins if _finite(b.get("exact_p1"))}
+        row["exact_seconds"] = step.get("exact_seconds")
     return rows
+
+
+def _trainer_steps(path: Path) -> dict[int, dict]:
+    """The trainer's step records by step (none when the file is missing; unreadable lines are skipped)."""
+    out: dict[int, dict] = {}
+    if not path.is_file():
+        return out
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            out[record["step"]] = record
+    return out
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if _finite(v)]
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def _readings(tail: list[dict], key: str, b: int, tau: float, band: float) -> dict:
+    """The tail's readings of series `key` in bin `b`: count, mean, min, share >= tau, share in the band."""
+    readings = [v for r in tail if _finite(v := (r.get(key) or {}).get(str(b)))]
+    if not readings:
+        return {}
+    return {
+        "readings": len(readings),
+        "mean_p5": round(sum(readings) / len(readings), 4),
+        "min_p5": round(min(readings), 4),
+        "share_at_or_above_tau": round(sum(v >= tau for v in readings) / len(readings), 3),
+        "share_in_band": round(sum(tau <= v <= tau + band for v in readings) / len(readings), 3),
+    }
 
 
 def populated_bins(rows: list[dict]) -> list[int]:
@@ -49,21 +105,30 @@ def summarize(rows: list[dict], last: int = 20, band: float = 0.05, bins: list[i
     tau = rows[-1].get("tau") or 0.86
     out: dict = {"steps": len(rows), "last_steps": len(tail), "tau": tau, "bins": {}}
     for b in bins or populated_bins(rows):
-        readings = [v for r in tail if (v := (r.get("p5") or {}).get(str(b))) is not None]
-        if not readings:
+        bound = _readings(tail, "p5", b, tau, band)
+        if not bound:
             continue
-        out["bins"][str(b)] = {
-            "readings": len(readings),
-            "mean_p5": round(sum(readings) / len(readings), 4),
-            "min_p5": round(min(readings), 4),
-            "share_at_or_above_tau": round(sum(v >= tau for v in readings) / len(readings), 3),
-            "share_in_band": round(sum(tau <= v <= tau + band for v in readings) / len(readings), 3),
-            "final_budget": budget_of(rows[-1], b),
-        }
+        entry = bound | {"final_budget": budget_of(rows[-1], b)}
+        if (p1 := _mean([(r.get("p1") or {}).get(str(b)) for r in tail])) is not None:
+            entry["mean_p1"] = p1
+        # The exact series (a run with [trainer] alpha = "exact"), summarised as the bound's is.
+        entry |= {f"exact_{k}": v for k, v in _readings(tail, "p5_exact", b, tau, band).items()}
+        if (p1 := _mean([(r.get("p1_exact") or {}).get(str(b)) for r in tail])) is not None:
+            entry["exact_mean_p1"] = p1
+        out["bins"][str(b)] = entry
     out["final_budgets"] = rows[-1].get("schedule_budgets")
     out["schedule_version"] = rows[-1].get("schedule_version")
-    attended = [v for r in tail if (v := r.get("attended_kv_fraction")) is not None]
-    out["attended_kv_fraction"] = round(sum(attended) / len(attended), 4) if attended else None
+    out["predicted_speedup"] = rows[-1].get("predicted_speedup")
+    out["attended_kv_fraction"] = _mean([r.get("attended_kv_fraction") for r in tail])
+    out["accuracy_mean"] = _mean([r.get("accuracy") for r in rows])  # every step's fresh prompts
+    out["accuracy_last"] = _mean([r.get("accuracy") for r in tail])
+    # The step's time with and without the exact pass, over every step (the pass's own time is timed apart).
+    timed = [(r["step_seconds"], r.get("exact_seconds") or 0.0) for r in rows if _finite(r.get("step_seconds"))]
+    if timed:
+        step_s, exact_s = sum(t for t, _ in timed), sum(e for _, e in timed)
+        out["step_seconds_mean"] = round(step_s / len(timed), 3)
+        out["exact_seconds_mean"] = round(exact_s / len(timed), 3)
+        out["step_over_step_without_exact"] = round(step_s / (step_s - exact_s), 3) if step_s > exact_s else None
     return out
 
 
@@ -82,11 +147,14 @@ def plot(runs: dict[str, list[dict]], out: str | Path, bins: list[int] | None = 
         ax.axhspan(tau, tau + 0.05, color="green", alpha=0.12, label="[tau, tau + 0.05]")
         ax.axhline(tau, color="red", linestyle="--", linewidth=1)
         for b in shown:
-            ax.plot(steps, [(r.get("p5") or {}).get(str(b)) for r in rows], marker=".", label=f"bin {b}")
+            line = ax.plot(steps, [(r.get("p5") or {}).get(str(b)) for r in rows], marker=".", label=f"bin {b}")
+            if any("p5_exact" in r for r in rows):  # the exact series of the same bin, dashed
+                exact = [(r.get("p5_exact") or {}).get(str(b)) for r in rows]
+                ax.plot(steps, exact, linestyle="--", color=line[0].get_color(), label=f"bin {b} exact")
         ax.set_title(name)
         ax.set_ylim(-0.03, 1.03)
         if col == 0:
-            ax.set_ylabel("p5 of alpha (exact)")
+            ax.set_ylabel("p5 of alpha (top-k bound; exact dashed)")
         ax.legend(fontsize=7)
         ax = axes[1][col]
         for b in shown:

@@ -15,7 +15,8 @@ that many padded tokens (`trainer.batch.plan_micro_batches`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,27 @@ class Acceptance:
     alpha: torch.Tensor  # [tokens] float32
     kv_lens: torch.Tensor  # [tokens] int64
     exact: torch.Tensor | None = None  # [tokens] float64
+    exact_seconds: float = 0.0  # wall time of this rank's exact pass (`PassTime`), 0 without one
+
+
+@dataclass
+class PassTime:
+    """Wall seconds the exact-alpha pass took: its sparse forwards, its side of each LM-head chunk (the sparse
+    logits and the float64 reduction, run inside the dense scoring) and collecting the values."""
+
+    seconds: float = 0.0
+
+    def timed(self, call: Callable) -> Callable:
+        """`call`, adding the time each call takes."""
+
+        def run(*args):
+            start = time.perf_counter()
+            try:
+                return call(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return run
 
 
 def dense_scores(
@@ -76,11 +98,12 @@ def scores_and_exact(
     micro_batch_size: int,
     max_tokens: int = 0,
     exact: ExactAlpha | None = None,
+    timing: PassTime | None = None,
 ) -> tuple[list[TokenScores], list[torch.Tensor] | None]:
     """`dense_scores`, and with `exact` each rollout's exact alpha [response_len] float64 (else None).
 
     The sparse forward of each micro-batch runs just before its dense scoring, whose LM-head chunks
-    it pairs with (`trainer.exact_alpha`).
+    it pairs with (`trainer.exact_alpha`). `timing` adds up the exact pass's own time.
     """
     from trainer.exact_alpha import unreproducible_mask
 
@@ -91,22 +114,30 @@ def scores_and_exact(
     # Under FSDP every forward is a collective: ranks agree on the busiest one's count before any
     # forward, and the others pad with 2-token passes.
     passes = distributed.max_over_ranks(len(plan))
+    timing = timing if timing is not None else PassTime()
     for rows in plan:
         picked = [rollouts[r] for r in rows]
-        pair = exact.pair(picked) if exact is not None else None
+        pair = timing.timed(exact.pair)(picked) if exact is not None else None
+        on_chunk = timing.timed(pair) if pair is not None else None
         scores = scorer.score(
-            [r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature, on_chunk=pair
+            [r.sequence for r in picked], [r.prompt_len for r in picked], None, temperature, on_chunk=on_chunk
         )
         for row, score in zip(rows, scores, strict=True):
             out[row] = score
         if pair is not None:
-            alpha = pair.alpha().masked_fill(unreproducible_mask(picked), float("nan"))
+            alpha = timing.timed(pair.alpha)().masked_fill(unreproducible_mask(picked), float("nan"))
             for row, part in zip(rows, torch.split(alpha, [len(r.token_ids) for r in picked]), strict=True):
                 exact_out[row] = part
     for _ in range(passes - len(plan)):
         pad = _PAD_ROLLOUT
-        pair = exact.pair([pad]) if exact is not None else None
-        scorer.score([pad.sequence], [pad.prompt_len], None, temperature, on_chunk=pair)
+        pair = timing.timed(exact.pair)([pad]) if exact is not None else None
+        scorer.score(
+            [pad.sequence],
+            [pad.prompt_len],
+            None,
+            temperature,
+            on_chunk=timing.timed(pair) if pair is not None else None,
+        )
     return out, (exact_out if exact is not None else None)  # type: ignore[return-value]
 
 
@@ -247,10 +278,11 @@ def learn(
     """
     mine = distributed.share(rollouts)
     local = [rollouts[i] for i in mine]
+    timing = PassTime()
     if exact is not None:
-        exact.begin_step()
+        timing.timed(exact.begin_step)()
     dense, exact_rows = scores_and_exact(
-        scorer, local, config.temperature, config.micro_batch_size, config.max_tokens_per_microbatch, exact
+        scorer, local, config.temperature, config.micro_batch_size, config.max_tokens_per_microbatch, exact, timing
     )
     acc = acceptance(local, dense)
     bounds = torch.split(acc.alpha, [len(r.token_ids) for r in local])
@@ -268,6 +300,7 @@ def learn(
             if exact is not None
             else None
         ),
+        exact_seconds=timing.seconds,
     )
     stats = grpo_update(model, optimizer, local, [d.logprobs for d in dense], advantages[mine], config)
     return dense, whole, stats

@@ -64,6 +64,7 @@ class StepReport:
     grad_norm: float = 0.0
     schedule_version: int = 0
     seconds: float = 0.0  # the whole step: scoring, update, publishing and any checkpoint
+    exact_seconds: float = 0.0  # of `seconds`, the exact-alpha pass's ([trainer] alpha = "exact"; 0 without it)
     distill: dict = field(default_factory=dict)  # the adapter's figures (services/trainer/distill_step.py)
     reward_by_source: dict = field(default_factory=dict)  # data_source -> mean reward of its samples
     reward_errors: int = 0  # samples scored 0 because their reward timed out, raised or returned no finite score
@@ -237,6 +238,7 @@ class StepRunner:
             grad_norm=stats.get("grad_norm", 0.0),
             schedule_version=schedule_version,
             seconds=time.monotonic() - start,
+            exact_seconds=acc.exact_seconds,
             distill=distilled,
             reward_by_source={src: sum(v) / len(v) for src, v in sorted(by_source.items())},
             reward_errors=errors,

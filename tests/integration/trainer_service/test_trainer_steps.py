@@ -217,6 +217,7 @@ def test_exact_alpha_steps_export_both_series_and_exact_never_below_the_bound(tm
             wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 180, "two training steps")
             metrics = _metrics(service.metrics_port)
     step = _steps(tmp_path / "run")[1]
+    assert 0 < step["exact_seconds"] < step["seconds"]  # the pass's own time, part of the step's
     for b in step["alpha_bins"]:
         # Dense rollouts of the policy being trained (one version stale at most): exact alpha is 1 up to the
         # version lag, and never below the top-k bound of the same tokens.

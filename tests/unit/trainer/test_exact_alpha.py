@@ -153,3 +153,25 @@ def test_rows_attended_densely_so_far_get_alpha_1_and_the_rest_their_exact_value
     # even token 4, whose own budget is dense, since earlier positions attended sparsely.
     assert got.tolist() == [False, False, False, True, True, True] + [True] * 4
     assert not bool(sparse_rows(plan.budgets, mask, torch.tensor([False, False]))[6:].any())
+
+
+def test_learn_times_the_exact_pass_apart_from_the_rest_of_the_step():
+    import time
+
+    class Slow(ExactAlpha):  # each micro-batch's sparse forward takes 50 ms more: the clock must count them
+        def pair(self, rollouts):
+            time.sleep(0.05)
+            return super().pair(rollouts)
+
+    policy = tiny_policy()
+    rollouts, _ = _sampled(policy, count=3)
+    config = UpdateConfig(temperature=TEMP, micro_batch_size=2, lm_head_chunk=7)
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    _, plain, _ = learn(policy, opt, Scorer(policy, chunk=7), rollouts, adv, config)
+    assert plain.exact_seconds == 0.0
+    start = time.perf_counter()
+    _, acc, _ = learn(policy, opt, Scorer(policy, chunk=7), rollouts, adv, config,
+                      exact=Slow(policy, lambda: RULE, TEMP, chunk=7, backend="torch"))  # fmt: skip
+    wall = time.perf_counter() - start
+    assert 2 * 0.05 <= acc.exact_seconds < wall  # two micro-batches of 2 rows; the update is not the pass's
