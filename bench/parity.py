@@ -22,6 +22,7 @@ DEFAULT_SCHEDULE = Schedule(budgets=(48, 64, 80, 96, 112, 128), bin_width=128, n
 class ParityBenchResult:
     model: str
     schedule: str
+    tensor_parallel_size: int
     tokens: int
     sparse_tokens: int
     attended_kv_fraction: float
@@ -34,7 +35,13 @@ class ParityBenchResult:
 
 
 def run_parity_bench(
-    model: str, schedule: Schedule | None, prompts: int, prompt_len: int, gen_len: int, seed: int = 0
+    model: str,
+    schedule: Schedule | None,
+    prompts: int,
+    prompt_len: int,
+    gen_len: int,
+    seed: int = 0,
+    tensor_parallel_size: int = 1,
 ) -> ParityBenchResult:
     import json
     from pathlib import Path
@@ -51,7 +58,13 @@ def run_parity_bench(
     cfg = json.loads((Path(model) / "config.json").read_text())
     rng = random.Random(seed)
     engine = VllmEngine(
-        VllmEngineConfig(model=model, max_model_len=prompt_len + gen_len + 16, max_num_seqs=prompts, ignore_eos=True),
+        VllmEngineConfig(
+            model=model,
+            max_model_len=prompt_len + gen_len + 16,
+            max_num_seqs=prompts,
+            ignore_eos=True,
+            tensor_parallel_size=tensor_parallel_size,
+        ),
         schedule=schedule,
     )
     try:
@@ -91,6 +104,7 @@ def run_parity_bench(
     return ParityBenchResult(
         model=model,
         schedule=schedule.name or schedule.compact(),
+        tensor_parallel_size=tensor_parallel_size,
         tokens=positions,
         sparse_tokens=sum(1 for s in samples for b in s.kv_budgets if b),
         attended_kv_fraction=attended_fraction(samples, layers, len([x for x in schedule.dense_layers if x < layers])),

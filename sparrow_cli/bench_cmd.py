@@ -54,6 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     q.add_argument("--prompt-len", type=int, default=400, help="prompt tokens (default 400)")
     q.add_argument("--gen-len", type=int, default=400, help="generated tokens per sequence (default 400)")
     q.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    q.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="engine workers (default 1; on CPU one per core)"
+    )
     q.add_argument("--json", action="store_true", help="print JSON")
     d = sub.add_parser("distill", help="DistillSparse on a small model: p5 per bin before/after training the adapter")
     d.add_argument("--model", default="models/small", help="HF model folder (default models/small)")

@@ -12,7 +12,7 @@ from sparrow_cli.errors import CliError, require_positive
 def _check(args: argparse.Namespace) -> None:
     if not (Path(args.model) / "config.json").is_file():
         raise CliError(f"--model {args.model}: no config.json there (build one with `sparrow model build`)")
-    require_positive(args, "prompt_len", "gen_len", "batch", "prompts", "threads")
+    require_positive(args, "prompt_len", "gen_len", "batch", "prompts", "threads", "tensor_parallel_size")
     if getattr(args, "static_decode", False) and not args.compile:
         raise CliError("--static-decode captures CUDA graphs: add --compile")
 
@@ -44,7 +44,8 @@ def _run(args: argparse.Namespace):
     from bench.parity import run_parity_bench
 
     schedule = _schedule(args.schedule) if args.schedule else None
-    return run_parity_bench(args.model, schedule, args.prompts, args.prompt_len, args.gen_len)
+    tp = args.tensor_parallel_size
+    return run_parity_bench(args.model, schedule, args.prompts, args.prompt_len, args.gen_len, tensor_parallel_size=tp)
 
 
 def run_engine_bench(args: argparse.Namespace) -> int:

@@ -88,6 +88,7 @@ class VllmEngine(RolloutEngine):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
         # vLLM's own log config writes to stdout, which belongs to the caller (e.g. `--json` output).
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        check_tensor_parallel(config.model, config.tensor_parallel_size)  # the model's limit, before the machine's
         if config.tensor_parallel_size > 1:
             _bind_cpu_workers(config.tensor_parallel_size)
         overrides = {}
@@ -98,7 +99,6 @@ class VllmEngine(RolloutEngine):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        check_tensor_parallel(config.model, config.tensor_parallel_size)
         extra = {}
         if config.static_decode:
             _check_static_decode(config)

@@ -74,6 +74,11 @@ def test_bench_engine_commands_refuse_bad_input_in_one_line(tmp_path):
 
     r = sparrow("bench", "parity", "--model", str(tmp_path))
     assert r.returncode == 2 and "no config.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = sparrow("bench", "parity", "--tensor-parallel-size", "0")
+    assert r.returncode == 2 and "--tensor-parallel-size must be positive" in r.stderr
+    r = sparrow("bench", "parity", "--tensor-parallel-size", "3")  # small has 4 heads (2 KV): one line, no engine
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "tensor_parallel_size 3 does not divide the model's 4 attention heads" in r.stderr
     r = sparrow("bench", "rollout", "--model", "models/small", "--schedule", "no-such-preset", "--gen-len", "0")
     assert r.returncode == 2 and "--gen-len must be positive" in r.stderr
     r = sparrow("bench", "rollout", "--schedule", "qwen3-1.7b-0.86", "--static-decode")
