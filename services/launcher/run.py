@@ -223,10 +223,11 @@ class UpRun:
                     self._take_rows()
                     if code == 0 and len(self.history.rows) >= up.steps:
                         return
-                    if self._trainer_restarts(code):
+                    if self._trainer_restarts(code) and child.restarts < up.trainer_restarts:
                         self._schedule_restart(child, code, up.trainer_restarts, "it resumes from its checkpoint")
                         continue
-                    raise RunError(f"the trainer exited ({describe_exit(code)}):\n{child.log_tail()}")
+                    after = f" after {child.restarts} restart(s)" if child.restarts else ""
+                    raise RunError(f"the trainer exited ({describe_exit(code)}){after}:\n{child.log_tail()}")
                 if child.spec.role == "generator":
                     left = len(self.cluster.alive("generator"))
                     message = f"{child.name} exited ({describe_exit(code)}); {left} generator(s) go on"

@@ -67,7 +67,8 @@ def test_sigterm_while_starting_stops_what_was_started(tmp_path):
 
 def test_a_trainer_that_dies_fails_the_run_and_every_other_service_is_stopped(tmp_path):
     run_dir = tmp_path / "run"
-    config = tiny_config(tmp_path / "up.toml")
+    # No restarts left: the run fails at this death (restarts: test_up_trainer_procs.py).
+    config = tiny_config(tmp_path / "up.toml", top={"trainer_restarts": 0})
     up = UpProcess("--config", str(config), "--model-size", "tiny", "--steps", "500", "--no-controller",
                    "--run-dir", str(run_dir), "--json")  # fmt: skip
     try:
