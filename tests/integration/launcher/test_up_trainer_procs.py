@@ -92,6 +92,24 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     return None
 
 
+def _first_step(up: UpProcess) -> dict:
+    """The run's first step row (events before it are skipped)."""
+    event = up.next_object(300)
+    while event["type"] != "step":
+        event = up.next_object(300)
+    return event
+
+
+def _completed_with_nothing_lost(up: UpProcess, code: int, run_dir, steps: int) -> None:
+    """The run completed its steps (2 groups each) with no group lost or trained twice, as work.json records."""
+    assert code == 0, up.proc.stderr.read()[-3000:]
+    (summary,) = [o for o in up.lines if o["type"] == "summary"]
+    assert summary["outcome"] == "completed" and summary["steps_done"] == steps
+    work = summary["work"]
+    assert work["lost"] == [] and work["trained_twice"] == [] and work["groups_trained"] == 2 * steps
+    assert json.loads((run_dir / "work.json").read_text()) == work
+
+
 @pytest.mark.slow
 def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tmp_path):
     """SIGKILL to rank 1 after step 1: the trainer's ranks end within the collective timeout, torchrun (under sparrow
@@ -105,9 +123,7 @@ def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tm
     )  # fmt: skip
     try:
         trainer = wait_for_processes(up, run_dir, {"trainer"}, 300)["trainer"]
-        first = up.next_object(300)
-        while first["type"] != "step":
-            first = up.next_object(300)
+        _first_step(up)
         victim = _rank_pid(trainer["pid"], 1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
@@ -120,12 +136,7 @@ def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tm
         code = up.wait(400)
     finally:
         up.kill()
-    assert code == 0, up.proc.stderr.read()[-3000:]
-    (summary,) = [o for o in up.lines if o["type"] == "summary"]
-    assert summary["outcome"] == "completed" and summary["steps_done"] == 4
-    work = summary["work"]
-    assert work["lost"] == [] and work["trained_twice"] == [] and work["groups_trained"] == 8
-    assert json.loads((run_dir / "work.json").read_text()) == work
+    _completed_with_nothing_lost(up, code, run_dir, steps=4)
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("rank 1 of 2 follows rank 0") == 2  # the first ranks and the restarted ones
     assert "resumed from step-" in log
@@ -143,19 +154,12 @@ def test_a_single_trainer_process_killed_mid_run_is_started_again_and_the_run_co
     )  # fmt: skip
     try:
         first = wait_for_processes(up, run_dir, {"trainer"}, 300)["trainer"]
-        event = up.next_object(300)
-        while event["type"] != "step":
-            event = up.next_object(300)
+        _first_step(up)
         os.kill(first["pid"], signal.SIGKILL)
         code = up.wait(400)
     finally:
         up.kill()
-    assert code == 0, up.proc.stderr.read()[-3000:]
-    (summary,) = [o for o in up.lines if o["type"] == "summary"]
-    assert summary["outcome"] == "completed" and summary["steps_done"] == 3
-    work = summary["work"]
-    assert work["lost"] == [] and work["trained_twice"] == [] and work["groups_trained"] == 6
-    assert json.loads((run_dir / "work.json").read_text()) == work
+    _completed_with_nothing_lost(up, code, run_dir, steps=3)
     restarted = processes(run_dir)["trainer"]
     assert restarted["restarts"] == 1 and restarted["pid"] != first["pid"]
     launcher_log = (run_dir / "logs" / "up.log").read_text()
