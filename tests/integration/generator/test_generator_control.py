@@ -51,7 +51,8 @@ def test_calls_need_the_token_but_health_is_open(running):
         anonymous.close()
     status = stub.GetStatus(generator_pb2.GetStatusRequest(), timeout=5)
     assert status.generator_id == h.config.generator_id and not status.draining
-    assert h.trainer.hellos  # the token reached the trainer too: the stream is open
+    # the token reached the trainer too: the stream opens (the generator may still be dialling it)
+    h.trainer.wait_for(lambda: bool(h.trainer.hellos), 30, "the generator's hello, sent with the token")
 
 
 def test_set_schedule_validates_applies_and_shows_in_status_and_trajectories(running):
