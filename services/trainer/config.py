@@ -170,7 +170,23 @@ class OptimConfig(ConfigSection):
 class CheckpointConfig(ConfigSection):
     """Checkpoints under run_dir/checkpoints."""
 
-    every: int = Field(1, ge=1, description="Steps between checkpoints (also taken at a clean stop).")
+    every: int = Field(
+        0,
+        ge=0,
+        description="Steps between checkpoints; 0 (auto): paced by time, so that writing them takes at most "
+        "max_overhead of the run and at most max_interval_s of training goes unsaved (one after the first step, "
+        "and one at every clean stop, either way).",
+    )
+    max_overhead: float = Field(
+        0.05,
+        gt=0,
+        lt=1,
+        description="With every = 0: the share of wall time checkpoints may take (a model whose checkpoint takes "
+        "60 s is saved once at least 19 x 60 s of training have passed since the last, at 0.05).",
+    )
+    max_interval_s: float = Field(
+        1800.0, gt=0, description="With every = 0: seconds of training after which a checkpoint is due regardless."
+    )
     keep: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
 
 

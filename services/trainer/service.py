@@ -3,8 +3,8 @@
 Start: load the model, resume the newest checkpoint (or start fresh), make sure the policy the run
 continues from is published under a version above every one published before (steps published
 after the checkpoint died with the crash), rebuild the store and ledger, start gRPC and /metrics.
-Loop: feed, wait for a batch, train, publish the next version, checkpoint every `checkpoint.every`
-steps, then compact the store and ledger down to what the oldest kept checkpoint has not trained.
+Loop: feed, wait for a batch, train, publish the next version, checkpoint when due (`checkpoint.every`
+steps, or paced by the time checkpoints take), then compact the store and ledger down to what the oldest kept checkpoint has not trained.
 Stop (the steps are done, or `stop` is set by SIGTERM): checkpoint, end the watch streams, stop
 the server gracefully.
 """
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.common.aio_server import AioServer
-from services.trainer.checkpoint import CheckpointManager, TrainState
+from services.trainer.checkpoint import CheckpointManager, CheckpointPacing, TrainState
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.ledger import TRAINED, GroupLedger
 from services.trainer.metrics import TrainerMetrics
@@ -148,6 +148,8 @@ class TrainerService:
         self.generators_seen: set[str] = set()  # added to by the gRPC thread, read by the step loop
         self.grpc_port = self.metrics_port = 0
         self._last_checkpoint_step = self.state.step if resumed else -1
+        ck = config.checkpoint
+        self.pacing = CheckpointPacing(ck.every, ck.max_overhead, ck.max_interval_s)
         self._checkpoint_on_stop = True
 
     def _distill(self, grpo):
@@ -318,7 +320,7 @@ class TrainerService:
         self.publish(self.state.policy_version + 1)
         if self.distill is not None:  # trained against the policy just published
             self.distill.publish(self.weights, self.state.policy_version, self.state.step)
-        if self.state.step % self.config.checkpoint.every == 0:
+        if self.pacing.due(self.state.step):
             self.checkpoint()
         if self.evaluator.due(self.state.step, self.config.steps):
             self.evaluator.start(self.state.step, self.state.policy_version)
@@ -339,10 +341,12 @@ class TrainerService:
 
     def checkpoint(self) -> None:
         """Save a checkpoint, then compact what every kept checkpoint records as finished."""
+        started = self.pacing.clock()
         self.state.feeder = self.feeder.state()
         self.leader.order(CHECKPOINT, self.state.step)
         self.checkpoints.save(self.model, self.optimizer, self.state, self._checkpoint_parts())
         self._last_checkpoint_step = self.state.step
+        self.pacing.taken(started)
         oldest = self.checkpoints.oldest_state()
         done = oldest.finished if oldest is not None else {}
         dead = self.ledger.dead_ids()

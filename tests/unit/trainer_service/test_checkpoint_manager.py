@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.trainer.checkpoint import CheckpointError, CheckpointManager, TrainState
+from services.trainer.checkpoint import CheckpointError, CheckpointManager, CheckpointPacing, TrainState
 from trainer.model_io import load_model
 
 TINY = Path(__file__).resolve().parents[3] / "models" / "tiny"
@@ -125,3 +125,45 @@ def test_a_damaged_checkpoint_skipped_at_resume_is_set_aside_so_its_step_saves_a
     manager.save(model2, opt2, retrained)
     assert manager.read_state(manager.checkpoints()[-1]) == retrained
     assert manager.oldest_state().step == 2
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_fixed_interval_checkpoints_every_nth_step_whatever_the_time():
+    pacing = CheckpointPacing(every=3, max_overhead=0.05, max_interval_s=1.0, clock=_Clock())
+    assert [s for s in range(1, 10) if pacing.due(s)] == [3, 6, 9]
+
+
+def test_paced_checkpoints_keep_their_share_of_the_time_and_the_unsaved_interval_bounded():
+    """every = 0: the first step checkpoints; then one is due once 19x its duration has passed (5%), or the cap."""
+    clock = _Clock()
+    pacing = CheckpointPacing(every=0, max_overhead=0.05, max_interval_s=1000.0, clock=clock)
+    assert pacing.due(1)
+    started = clock.now
+    clock.now += 10.0  # the checkpoint took 10 s: the next is due 190 s after it ended
+    pacing.taken(started)
+    clock.now += 189.0
+    assert not pacing.due(2)
+    clock.now += 1.0
+    assert pacing.due(3)
+    started = clock.now
+    clock.now += 100.0  # a 100 s checkpoint would wait 1,900 s; the cap says 1,000
+    pacing.taken(started)
+    clock.now += 999.0
+    assert not pacing.due(4)
+    clock.now += 1.0
+    assert pacing.due(5)
+
+
+def test_a_cheap_checkpoint_is_due_after_nearly_every_step():
+    clock = _Clock()
+    pacing = CheckpointPacing(every=0, max_overhead=0.05, max_interval_s=1800.0, clock=clock)
+    pacing.taken(clock.now - 0.05)  # 50 ms: due 0.95 s later
+    clock.now += 1.0  # one step of a tiny model
+    assert pacing.due(2)
