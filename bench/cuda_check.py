@@ -38,7 +38,9 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
   trainer_memory  two FSDP2 bf16 update steps of a Qwen3-0.6B-shaped model (8 layers, 151,936
               vocabulary) on four 4K rollouts: resident vs per-layer activation checkpointing vs
               checkpointing and CPU offload of the shards and AdamW state; gradients agree, the
-              offloaded state is on the CPU, peak GPU memory falls at each (bench/cuda_trainer_memory.py)
+              offloaded state is on the CPU, peak GPU memory falls at each (bench/cuda_trainer_memory.py);
+              then one step on a 16K-token rollout, chunked vs full LM head: peak GPU memory, tokens/s,
+              logprobs and loss agree (bench/cuda_trainer_head.py)
   parity      (vLLM) stock vLLM (TRITON_ATTN) vs the plugin, float32, greedy, a random Qwen3 with
               head_dim 128: sampled-token logprobs over the common prefix within 2e-2 at a budget
               covering every page in every layer (vLLM's float32 kernel may use TF32; ours does not),
@@ -74,9 +76,9 @@ PHASES = [
     ("env", 45),
     ("kernels", 110),
     ("decode", 130),
-    ("attention", 85),
+    ("attention", 75),
     ("model", 120),
-    ("trainer_memory", 45),
+    ("trainer_memory", 55),
     ("parity", 240),
     ("throughput", 330),
 ]

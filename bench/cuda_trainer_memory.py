@@ -9,6 +9,9 @@ NCCL group and trains two `trainer.rl_update.learn` steps on four 4K-token rollo
     offload      checkpointed and FSDP2's CPU offload ([trainer.memory] cpu_offload): shards,
                  gradients and optimizer state in pinned host memory, the optimizer on the CPU
 
+Then one step on one 16K-token rollout with the chunked LM head against the full one
+(bench/cuda_trainer_head.py: peak memory, tokens/s, agreement).
+
 Checks: the gradients of each step (gathered right before the optimizer step) agree between the
 three within bf16's tolerance (relative to their norm), the losses too; the offloaded parameters
 and optimizer state are on the CPU; the peak GPU memory (torch.cuda.max_memory_allocated over the
@@ -83,7 +86,7 @@ def run(rec, device: str, dry: bool) -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=8192)).save_pretrained(
+        Qwen3ForCausalLM(Qwen3Config(**shape, tie_word_embeddings=True, max_position_embeddings=40960)).save_pretrained(
             tmp
         )
         for case, checkpoint, offload in (("resident", False, False), ("checkpoint", True, False),
@@ -93,6 +96,10 @@ def run(rec, device: str, dry: bool) -> None:
             if device == "cuda":
                 torch.cuda.empty_cache()
             rec[case] = {k: v for k, v in results[case].items() if k != "grads"}
+        # One step at 16K tokens, chunked vs full LM head (bench/cuda_trainer_head.py), on the same model.
+        from bench.cuda_trainer_head import run as head_run
+
+        head_run(rec, Path(tmp), device, dtype, shape["vocab_size"], 256 if dry else 16384, prompt)
     distributed.close()
     ref = results["resident"]
     for case in ("checkpoint", "offload"):

@@ -4,7 +4,8 @@ Start: load the model, resume the newest checkpoint (or start fresh), make sure 
 continues from is published under a version above every one published before (steps published
 after the checkpoint died with the crash), rebuild the store and ledger, start gRPC and /metrics.
 Loop: feed, wait for a batch, train, publish the next version, checkpoint when due (`checkpoint.every`
-steps, or paced by the time checkpoints take), then compact the store and ledger down to what the oldest kept checkpoint has not trained.
+steps, or paced by the time checkpoints take), then compact the store and ledger down to what the
+oldest kept checkpoint has not trained.
 Stop (the steps are done, or `stop` is set by SIGTERM): checkpoint, end the watch streams, stop
 the server gracefully.
 """

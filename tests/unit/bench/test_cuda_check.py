@@ -60,6 +60,11 @@ def test_dry_run_passes_every_phase_that_runs_without_a_gpu(tmp_path):
     # The phases' checks ran (a phase with no checks would read "ok" too).
     assert len(phases["kernels"]["checks"]) >= 10 and phases["decode"]["checks"]["failed_tests"]["value"] == 0
     assert len(phases["trainer_memory"]["checks"]) >= 8  # gradients and losses of both steps, two ways
+    head = phases["trainer_memory"]["head_16k"]  # the 16K step, chunked vs full LM head (a short one here)
+    assert head["chunked"]["tokens_per_s"] > 0 and head["full"]["tokens_per_s"] > 0
+    assert {"head_16k_loss_chunked_vs_full", "head_16k_logprobs_chunked_vs_full_max_abs"} <= set(
+        phases["trainer_memory"]["checks"]
+    )
     attention = phases["attention"]["checks"]
     assert {"dense_ours_vs_sdpa_max_rel", "full_budget_vs_dense_max_rel"} <= set(attention)
     assert phases["decode"]["tests"], "the decode tests were not collected"
