@@ -3,7 +3,7 @@ logprobs, and adapter files that peft loads to the same outputs."""
 
 import torch
 
-from tests.unit.distill.conftest import SCHEDULE, perturb_adapter, sample_rollouts
+from tests.unit.distill.conftest import SCHEDULE, perturb_adapter, sample_rollouts, tiny_policy
 from trainer.distill import BlockRule, DistillConfig, DistillSparse
 
 RULE = BlockRule.of(SCHEDULE)
@@ -126,3 +126,28 @@ def test_saved_files_are_what_peft_writes_and_peft_loads_them_to_the_same_logpro
     peft_lp = _logits(loaded, ids).log_softmax(-1)
     assert float((peft_lp - hooked).abs().max()) <= 1e-6
     assert float((_logits(policy, ids).log_softmax(-1) - hooked).abs().max()) > 1e-2  # the adapter does act
+
+
+def test_a_checkpointed_layer_recomputes_with_the_adapter_as_its_forward_had_it():
+    """Activation checkpointing recomputes each layer in the backward, here after `adapter.on()` was left: the
+    adapter's gradients must be those of the plain model (the recompute runs with the adapter on)."""
+    from trainer import distributed
+    from trainer.activation_checkpoint import checkpoint_layers
+
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(6))
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_policy()
+        if checkpointed:
+            assert checkpoint_layers(model, 0) == 2
+        distill = DistillSparse(model, CONFIG)
+        perturb_adapter(distill)
+        with distributed.frozen(model):
+            with distill.adapter.on():
+                loss = model(input_ids=ids, use_cache=False).logits.logsumexp(-1).mean()
+            loss.backward()
+        assert all(p.grad is None for p in model.parameters())  # theta frozen: no base gradient
+        grads.append([p.grad.clone() for p in distill.lora_params])
+    assert all(float(g.abs().max()) > 0 for g in grads[0])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
