@@ -130,7 +130,8 @@ def _failed_lookups(alpha: torch.Tensor, kv: torch.Tensor, lookups: torch.Tensor
 def _measure(distill: DistillSparse, sampler: _Sampler, rule: BlockRule, seed: int, both: bool) -> tuple:
     """Sample the held-out prompts with the actor; exact alpha per bin against dense (and without the adapter),
     and the share of looked-up names that fail (alpha < LOOKUP_FAILED_BELOW)."""
-    rollouts, rewards = sampler.sample(distill.actor, sampler.heldout, 1, seed)
+    with distill.adapter.on():
+        rollouts, rewards = sampler.sample(distill.policy, sampler.heldout, 1, seed)
     width = sampler.settings.bin_width
     probe = distill.probe(rollouts, rule)
     lookups = lookup_mask(rollouts)
@@ -169,7 +170,8 @@ def run_distill_bench(settings: DistillBenchSettings, log: Callable[[str], None]
     for step in range(settings.steps):
         t0 = time.monotonic()
         examples = sampler.train.take(settings.groups)
-        rollouts, rewards = sampler.sample(distill.actor, examples, settings.group_size, settings.seed + step)
+        with distill.adapter.on():
+            rollouts, rewards = sampler.sample(distill.policy, examples, settings.group_size, settings.seed + step)
         advantages = group_advantages(torch.tensor(rewards), settings.group_size)
         stats = distill.train_step(rollouts, advantages, rule)
         steps.append({"step": step + 1, "reward": sum(rewards) / len(rewards), **stats})

@@ -1,21 +1,17 @@
 """DistillSparse: a LoRA adapter on the sparse actor that keeps it close to the dense policy (DESIGN.md section 1).
 
-Two views of one set of weights. The dense policy (theta, full attention) is the model the trainer
-already holds; the sparse actor (theta + LoRA phi, block-sparse attention) is a second module tree
-whose every parameter and buffer is the *same tensor object* as the policy's, with peft's LoRA
-layers injected into that second tree only. So:
-  - the dense update and dense scoring run on a tree that has no adapter at all: they cannot see
-    phi, whatever context they run in, and the policy's parameter names, optimizer, checkpoints and
-    published weights stay exactly what they are without DistillSparse;
+Two views of one set of weights, in one model. The dense policy (theta, full attention) is the model
+the trainer holds, FSDP2-sharded over the ranks or whole in one process; the sparse actor is that
+same model run with the teacher-forced block-sparse attention plan and with the adapter on
+(`trainer.lora.LoraAdapter`: A/B matrices outside the model's tree, replicated on every rank,
+applied by forward hooks only inside `adapter.on()`). So:
+  - the dense update and dense scoring run with the adapter off: they cannot see phi, and the
+    policy's parameter names, optimizer, checkpoints and published weights stay exactly what they
+    are without DistillSparse;
   - the actor follows every dense update for free (no copy, no extra memory beyond phi): an adapter
     trained against policy v_k sits on v_{k+1} as soon as the dense optimizer steps, and is then
     trained further against v_{k+1} (the paper retrains phi after each dense update, warm-started);
-  - the sparse side without the adapter (for the with/without probe) is the actor under peft's
-    `disable_adapter()`.
-One object with the adapter disabled for the dense path would save the second module tree (a few
-Python objects, no tensors) but changes the policy's parameter names and needs every dense call
-site to remember the context; with FSDP2 it becomes the only option, since two trees cannot share
-sharded parameters. This is the single-process trainer's design.
+  - the sparse side without the adapter (for the with/without probe) is the same forward with it off.
 
 The adapter's loss on a batch of rollouts, teacher-forced with the budgets the generator reported
 for each position (`trainer.sparse_attention.recorded_plan`), theta frozen:
@@ -29,14 +25,20 @@ pages by the dense attention mass they hold). L_PPO is the trainer's GRPO + TIS 
 (`trainer.grpo.grpo_tis_loss`) with the sparse actor as the policy: its old logprobs are the actor's
 own before this step's update and its TIS weight corrects for the generator's (stale) sampling
 distribution.
+
+On several ranks (torch.distributed, FSDP2) every call takes the WHOLE batch, the same on every rank,
+and works on this rank's share (`trainer.distributed.share`): each loss is its share of the global
+token mean and theta is frozen (`trainer.distributed.frozen`: no gradient of it is computed or
+reduced); the adapter's gradients are summed over the ranks before clipping and AdamW, so the
+replicated adapters stay identical. Every rank runs as many forwards and backwards as the busiest
+one (padding passes over a 2-token rollout), since under FSDP2 each is a collective. The probe's
+and `logprobs`' per-rollout results are gathered, in the batch's order, on every rank.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,16 +46,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparrow.acceptance import alpha_exact
-from trainer import lm_head, sparse_attention
+from trainer import distributed, lm_head, sparse_attention
 from trainer.batch import MicroBatch, Rollout, micro_batches
 from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
-from trainer.rl_update import place, response_hidden
+from trainer.lora import LoraAdapter
+from trainer.rl_update import PAD_ROLLOUT, pad_batch, place, response_hidden
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
     from trainer.reference_generate import Generation
-
-LORA_MARK = "lora_"
 
 
 @dataclass(frozen=True)
@@ -140,26 +141,18 @@ class Probe:
     without_adapter: torch.Tensor
 
 
+# A micro-batch with the rollouts of its rows (their budgets make the sparse plan), and whether it only pads.
+_Pass = tuple[MicroBatch, list[Rollout], bool]
+
+
 class DistillSparse:
-    """The sparse actor over `policy`'s weights, its LoRA adapter, and the adapter's optimizer."""
+    """The sparse actor over `policy`'s weights: its LoRA adapter, the adapter's optimizer, training and probes."""
 
     def __init__(self, policy: torch.nn.Module, config: DistillConfig) -> None:
-        from peft import LoraConfig, get_peft_model
-
         self.config = config
         self.policy = sparse_attention.install(policy)
-        self.actor = shared_view(self.policy)
-        lora = LoraConfig(
-            r=config.rank, lora_alpha=config.alpha, target_modules=list(config.target_modules), lora_dropout=0.0
-        )
-        with _requires_grad_kept(self.policy), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(config.seed)
-            # Injects LoRA layers into the actor tree in place; peft would also freeze the shared weights.
-            self.peft = get_peft_model(self.actor, lora)
-        self.lora_params = [p for n, p in self.actor.named_parameters() if LORA_MARK in n]
-        self._base_params = [p for n, p in self.actor.named_parameters() if LORA_MARK not in n]
-        for p in self.lora_params:
-            p.requires_grad_(True)
+        self.adapter = LoraAdapter(policy, config.rank, config.alpha, config.target_modules, config.seed)
+        self.lora_params = list(self.adapter.parameters())
         self.optimizer = torch.optim.AdamW(
             self.lora_params, lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -169,10 +162,13 @@ class DistillSparse:
     def _sparse_hidden(
         self, mb: MicroBatch, rollouts: Sequence[Rollout], rule: BlockRule, selection: list | None = None
     ) -> torch.Tensor:
-        """The sparse actor's last hidden states [tokens, hidden] on the response positions."""
+        """Last hidden states [tokens, hidden] on the response positions under the rollouts' budgets.
+
+        With the adapter as the caller switched it: on for the sparse actor, off for the sparse policy.
+        """
         plan = sparse_attention.recorded_plan(
             mb.prompt_lens,
-            [rollouts[r].kv_budgets for r in mb.rows],
+            [r.kv_budgets for r in rollouts],
             mb.input_ids.shape[1],
             rule.sink,
             rule.local,
@@ -181,13 +177,14 @@ class DistillSparse:
         )
         if selection is not None:
             plan = dataclasses.replace(plan, selection=selection)
-        return response_hidden(self.actor, mb, self.config.dtype, sparrow_plan=plan)
+        return response_hidden(self.policy, mb, self.config.dtype, sparrow_plan=plan)
 
     def _dense_hidden(self, mb: MicroBatch) -> torch.Tensor:
-        return response_hidden(self.policy, mb, self.config.dtype)
+        with self.adapter.off():
+            return response_hidden(self.policy, mb, self.config.dtype)
 
     def _logprobs(self, mb: MicroBatch, rows: torch.Tensor) -> torch.Tensor:
-        """[b, T - 1] logprobs of the targets from response hidden states (shared head), 0 off the mask."""
+        """[b, T - 1] logprobs of the targets from response hidden states (the policy's head), 0 off the mask."""
         c = self.config
         head = lm_head.token_logprobs(
             rows, self._head(), mb.targets[mb.mask.bool()], c.temperature, c.lm_head_chunk, dtype=c.dtype
@@ -195,57 +192,90 @@ class DistillSparse:
         return place(mb, head.logprobs)
 
     def _head(self) -> torch.Tensor:
-        return lm_head.output_weight(self.policy)  # the actor's is the same tensor (not a LoRA target)
+        return lm_head.output_weight(self.policy)  # not a LoRA target: the same head on both sides
 
-    def _batches(self, rollouts: Sequence[Rollout], advantages: torch.Tensor | None = None) -> list[MicroBatch]:
+    def _passes(self, rollouts: Sequence[Rollout], advantages: torch.Tensor | None = None) -> list[_Pass]:
+        """This rank's micro-batches of `rollouts` (its share already), then padding up to the busiest rank's count."""
         adv = torch.zeros(len(rollouts)) if advantages is None else advantages
-        device = next(self.policy.parameters()).device
+        device = distributed.compute_device(self.policy)
         c = self.config
-        return [mb.to(device) for mb in micro_batches(rollouts, adv, c.micro_batch_size, c.max_tokens_per_microbatch)]
+        own = [
+            (mb.to(device), [rollouts[r] for r in mb.rows], False)
+            for mb in micro_batches(rollouts, adv, c.micro_batch_size, c.max_tokens_per_microbatch)
+        ]
+        # Under FSDP2 every forward and backward is a collective: ranks agree on the busiest one's count.
+        count = distributed.max_over_ranks(len(own))
+        return own + [(pad_batch(device), [PAD_ROLLOUT], True)] * (count - len(own))
+
+    def _per_rollout(self, rollouts: Sequence[Rollout], run: Callable[[MicroBatch, list[Rollout]], list]) -> list:
+        """`run` over this rank's share of `rollouts`, a list per micro-batch row; every rollout's item, in order."""
+        mine = distributed.share(rollouts)
+        local = [rollouts[i] for i in mine]
+        out: dict[int, Any] = {}
+        for mb, picked, pad in self._passes(local):
+            items = run(mb, picked)
+            if not pad:
+                out.update((mine[r], item) for r, item in zip(mb.rows, items, strict=True))
+        whole: dict[int, Any] = {}
+        for part in distributed.gather_objects(out):
+            whole.update(part)
+        return [whole[i] for i in range(len(rollouts))]
 
     @torch.no_grad()
     def logprobs(
         self, rollouts: Sequence[Rollout], rule: BlockRule, adapter: bool = True, dense: bool = False
     ) -> list[torch.Tensor]:
         """Per rollout, the logprobs of its response tokens: sparse with or without the adapter, or dense."""
-        out: list[torch.Tensor | None] = [None] * len(rollouts)
-        for mb in self._batches(rollouts):
-            with contextlib.nullcontext() if adapter or dense else self.peft.disable_adapter():
-                rows = self._dense_hidden(mb) if dense else self._sparse_hidden(mb, rollouts, rule)
-            lp = self._logprobs(mb, rows)
-            for i, (plen, n) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True)):
-                out[mb.rows[i]] = lp[i, plen - 1 : plen - 1 + n].cpu()
-        return out  # type: ignore[return-value]
+
+        def run(mb: MicroBatch, picked: list[Rollout]) -> list[torch.Tensor]:
+            if dense:
+                rows = self._dense_hidden(mb)
+            else:
+                with self.adapter.on() if adapter else self.adapter.off():
+                    rows = self._sparse_hidden(mb, picked, rule)
+            lp = self._logprobs(mb, rows).cpu()
+            return [
+                lp[i, p - 1 : p - 1 + n] for i, (p, n) in enumerate(zip(mb.prompt_lens, mb.response_lens, strict=True))
+            ]
+
+        return self._per_rollout(rollouts, run)
 
     # -- training -------------------------------------------------------------------------------------
 
     def train_step(self, rollouts: Sequence[Rollout], advantages: torch.Tensor, rule: BlockRule) -> dict[str, float]:
         """`epochs` optimizer steps of the adapter on the batch, theta frozen; statistics of the first pass.
 
-        The first pass's figures describe the adapter as it came into this step (before it saw the
-        batch): `loss`, `ppo_loss`, `kl` (mean KL estimate per token), `tis_clip_fraction`, `tokens`,
-        `selection` (the selection loss before its weight: the mean over sparse layers, micro-batches
-        weighted by their tokens; 0 when selection_coef is 0),
+        `rollouts` and `advantages` are the whole batch (on several ranks, the same on every rank; each
+        trains on its share). The first pass's figures describe the adapter as it came into this step
+        (before it saw the batch), over the whole batch: `loss`, `ppo_loss`, `kl` (mean KL estimate per
+        token), `tis_clip_fraction`, `tokens`, `selection` (the selection loss before its weight: the
+        mean over sparse layers, micro-batches weighted by their tokens; 0 when selection_coef is 0),
         `grad_norm` (of that first step, before clipping).
         """
         c = self.config
-        batches = self._batches(rollouts, advantages)
-        device = next(self.policy.parameters()).device
-        num_tokens = global_token_count(torch.tensor([float(sum(len(r.token_ids) for r in rollouts))], device=device))
-        refs: list[torch.Tensor | None] = [None] * len(batches)
+        mine = distributed.share(rollouts)
+        local = [rollouts[i] for i in mine]
+        passes = self._passes(local, advantages[mine])
+        device = distributed.compute_device(self.policy)
+        num_tokens = global_token_count(torch.tensor([float(sum(len(r.token_ids) for r in local))], device=device))
+        refs: list[torch.Tensor | None] = [None] * len(passes)
         if c.kl_estimator == "k3":
             with torch.no_grad():  # the dense policy as it is now, frozen
-                refs = [self._logprobs(mb, self._dense_hidden(mb)) for mb in batches]
+                refs = [self._logprobs(mb, self._dense_hidden(mb)) for mb, _, _ in passes]
         olds: list[torch.Tensor] = []
         first: dict[str, float] = {}
-        with self._theta_frozen():
+        keys = ("loss", "ppo_loss", "kl", "selection", "tis_clip_fraction", "tokens")
+        with distributed.frozen(self.policy):
             for epoch in range(c.epochs):
                 self.optimizer.zero_grad(set_to_none=True)
-                totals = dict.fromkeys(("loss", "ppo_loss", "kl", "selection", "tis_clip_fraction", "tokens"), 0.0)
-                for i, mb in enumerate(batches):
+                totals = dict.fromkeys(keys, 0.0)
+                for i, (mb, picked, pad) in enumerate(passes):
                     selection: list | None = [] if c.selection_coef > 0 else None
-                    rows = self._sparse_hidden(mb, rollouts, rule, selection)
-                    lp = self._logprobs(mb, rows)
+                    # Forward with the adapter on; the backward runs after the context (a checkpointed layer's
+                    # recompute puts the adapter's state back itself, trainer/activation_checkpoint.py).
+                    with self.adapter.on():
+                        rows = self._sparse_hidden(mb, picked, rule, selection)
+                        lp = self._logprobs(mb, rows)
                     if epoch == 0:  # the actor before this step: PPO's old policy
                         olds.append(lp.detach())
                     ppo, stats = grpo_tis_loss(
@@ -253,25 +283,36 @@ class DistillSparse:
                     )
                     kl = (self._kl_per_token(mb, rows, lp, refs[i]) * mb.mask).sum() / num_tokens
                     loss = ppo + c.kl_coef * kl
+                    sel = torch.zeros((), device=loss.device)
                     if selection:
-                        share = mb.mask.sum() / num_tokens
-                        sel = torch.stack(selection).mean() * share
+                        sel = torch.stack(selection).mean() * (mb.mask.sum() / num_tokens)
                         loss = loss + c.selection_coef * sel
-                        totals["selection"] += float(sel.detach())
+                    if pad:  # the same forward and backward as the others, nothing added
+                        (loss * 0.0).backward()
+                        continue
                     loss.backward()
-                    totals["loss"] += float(loss.detach())
-                    totals["ppo_loss"] += float(ppo.detach())
-                    totals["kl"] += float(kl.detach())
+                    for key, value in (("loss", loss), ("ppo_loss", ppo), ("kl", kl), ("selection", sel)):
+                        totals[key] += float(value.detach())
                     totals["tis_clip_fraction"] += stats["tis_clip_fraction"] * stats["tokens"]
                     totals["tokens"] += stats["tokens"]
-                bound = c.max_grad_norm if c.max_grad_norm > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, bound))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self._step()
                 if epoch == 0:
+                    totals = dict(zip(keys, distributed.sum_over_ranks([totals[k] for k in keys]), strict=True))
                     totals["tis_clip_fraction"] /= max(totals["tokens"], 1.0)
                     first = {**totals, "grad_norm": grad_norm}
         return first
+
+    def _step(self) -> float:
+        """Sum the adapter's gradients over the ranks, clip them, step AdamW; returns the norm before clipping."""
+        for p in self.lora_params:
+            if p.grad is None:  # a module no pass reached: every rank still reduces the same tensors
+                p.grad = torch.zeros_like(p)
+        distributed.all_reduce_sum_([p.grad for p in self.lora_params])
+        bound = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.lora_params, bound))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _kl_per_token(
         self, mb: MicroBatch, rows: torch.Tensor, lp: torch.Tensor, ref: torch.Tensor | None
@@ -284,32 +325,32 @@ class DistillSparse:
             dense = self._dense_hidden(mb)
         return place(mb, lm_head.chunked_kl(rows, dense, self._head(), c.temperature, c.lm_head_chunk, c.dtype))
 
-    @contextlib.contextmanager
-    def _theta_frozen(self) -> Iterator[None]:
-        # Freezing the shared weights (not just leaving them out of the optimizer) spares their
-        # gradients; the dense optimizer's own state is never touched.
-        flags = [p.requires_grad for p in self._base_params]
-        try:
-            for p in self._base_params:
-                p.requires_grad_(False)
-            yield
-        finally:
-            for p, flag in zip(self._base_params, flags, strict=True):
-                p.requires_grad_(flag)
-
     # -- the probe ------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def probe(self, rollouts: Sequence[Rollout], rule: BlockRule) -> Probe:
-        """Exact alpha (full distributions, at the config's temperature) of every response token vs dense."""
-        kv, with_, without = [], [], []
-        for mb in self._batches(rollouts):
+        """Exact alpha (full distributions, at the config's temperature) of every response token vs dense.
+
+        On several ranks each probes its share; every rank gets the whole batch's values, in its order.
+        """
+
+        def run(mb: MicroBatch, picked: list[Rollout]) -> list[tuple[torch.Tensor, torch.Tensor]]:
             dense = self._dense_hidden(mb)
-            with_.append(self._alpha_exact(self._sparse_hidden(mb, rollouts, rule), dense))
-            with self.peft.disable_adapter():
-                without.append(self._alpha_exact(self._sparse_hidden(mb, rollouts, rule), dense))
-            kv += [rollouts[r].kv_lens() for r in mb.rows]
-        return Probe(torch.cat(kv), torch.cat(with_), torch.cat(without))
+            with self.adapter.on():
+                with_ = self._alpha_exact(self._sparse_hidden(mb, picked, rule), dense)
+            with self.adapter.off():
+                without = self._alpha_exact(self._sparse_hidden(mb, picked, rule), dense)
+            sizes = list(mb.response_lens)
+            return list(zip(torch.split(with_, sizes), torch.split(without, sizes), strict=True))
+
+        rows = self._per_rollout(rollouts, run)
+        kv = [r.kv_lens() for r in rollouts]
+        cat = lambda parts: torch.cat(parts) if parts else torch.zeros(0)  # noqa: E731
+        return Probe(
+            torch.cat(kv) if kv else torch.zeros(0, dtype=torch.long),
+            cat([w for w, _ in rows]),
+            cat([o for _, o in rows]),
+        )
 
     def _alpha_exact(self, sparse: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Exact alpha per response token from two sets of hidden states, a chunk of full distributions at a time."""
@@ -325,18 +366,21 @@ class DistillSparse:
     # -- saving ---------------------------------------------------------------------------------------
 
     def save_adapter(self, folder: str | Path) -> None:
-        """The adapter in peft format (adapter_config.json, adapter_model.safetensors), as vLLM loads it."""
-        self.peft.save_pretrained(str(folder), safe_serialization=True)
+        """The adapter in peft format (adapter_config.json, adapter_model.safetensors), as peft and vLLM load it."""
+        self.adapter.save(folder)
 
     def adapter_tensors(self) -> dict[str, torch.Tensor]:
-        """The adapter's tensors by their name in the actor (detached, on their device)."""
-        return {n: p.detach() for n, p in self.actor.named_parameters() if LORA_MARK in n}
+        """The adapter's tensors by name (<module>.lora_A.default.weight; detached, on their device)."""
+        return self.adapter.tensors()
 
     def state_dict(self) -> dict[str, Any]:
-        """Adapter tensors and optimizer state, keyed by parameter name (torch.distributed.checkpoint's Stateful)."""
+        """Adapter tensors and optimizer state, keyed by parameter name (torch.distributed.checkpoint's Stateful).
+
+        The tensors are whole on every rank (replicated), so a checkpoint resumes at any world size.
+        """
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return {"lora": self.adapter_tensors(), "optim": get_optimizer_state_dict(self.actor, self.optimizer)}
+        return {"lora": self.adapter_tensors(), "optim": get_optimizer_state_dict(self.adapter, self.optimizer)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned; raises ValueError when the adapter's tensors do not fit."""
@@ -347,10 +391,9 @@ class DistillSparse:
         if set(lora) != set(mine) or any(lora[n].shape != mine[n].shape for n in mine):
             raise ValueError("the checkpointed adapter does not fit this one (rank or target modules differ)")
         with torch.no_grad():
-            for name, p in self.actor.named_parameters():
-                if name in lora:
-                    p.copy_(lora[name])
-        set_optimizer_state_dict(self.actor, self.optimizer, state["optim"])
+            for name, p in self.adapter.named_parameters():
+                p.copy_(lora[name])
+        set_optimizer_state_dict(self.adapter, self.optimizer, state["optim"])
 
 
 def rollout_of(prompt: Sequence[int], generation: Generation, group_id: str = "", sample_index: int = 0) -> Rollout:
@@ -371,19 +414,3 @@ def rollout_of(prompt: Sequence[int], generation: Generation, group_id: str = ""
         top_logprobs=tuple(tuple(r) for r in generation.scores.top_logprobs.tolist()),
         kv_budgets=budgets,
     )
-
-
-def shared_view(model: torch.nn.Module) -> torch.nn.Module:
-    """A second module tree of `model` whose parameters and buffers are `model`'s own tensor objects."""
-    memo: dict[int, Any] = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return copy.deepcopy(model, memo)
-
-
-@contextlib.contextmanager
-def _requires_grad_kept(model: torch.nn.Module) -> Iterator[None]:
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    try:
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)

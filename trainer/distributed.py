@@ -8,8 +8,8 @@ forward and backward, float32 master weights and gradient reduction) and, where 
 offload: the float32 shards and their optimizer state live in pinned host memory, each layer's
 parameters come to the GPU for its forward and backward only, and the optimizer steps on the CPU.
 Per-layer activation checkpointing is trainer/activation_checkpoint.py (with or without FSDP2).
-DistillSparse's actor shares the policy's tensors
-(trainer/distill.py), which two FSDP trees cannot: it runs in one process only.
+DistillSparse's adapter lives outside the sharded tree, whole on every rank (trainer/lora.py): its
+step freezes the policy (`frozen`) and sums the adapter's gradients itself (`all_reduce_sum_`).
 
 Every rank takes its share of a step's rollouts (`share`). Under FSDP each forward and backward is
 a collective, so all ranks must run the same number of them: `max_over_ranks` tells each rank how
@@ -18,9 +18,10 @@ many micro-batches the busiest one runs, and the others pad with passes that add
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -135,6 +136,44 @@ def sum_over_ranks(values: Sequence[float]) -> list[float]:
     t = torch.tensor(list(values), dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return t.tolist()
+
+
+def all_reduce_sum_(tensors: Sequence[torch.Tensor]) -> None:
+    """Sum each of `tensors` (one dtype, one device) over the ranks, in place, in one collective; nothing alone."""
+    if not active() or not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+        t.copy_(part.view_as(t))
+
+
+@contextlib.contextmanager
+def frozen(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, none of `model`'s parameters requires a gradient: a backward computes and reduces none of them.
+
+    Under FSDP2 the parameters a forward uses are the unsharded ones, which take the sharded ones'
+    `requires_grad` when they are gathered: every FSDP2 module is resharded on the way in (a root
+    kept unsharded after its forward would otherwise keep its old flags) and on the way out.
+    """
+    _reshard(model)
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        _reshard(model)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def gather_objects(obj: Any) -> list[Any]:

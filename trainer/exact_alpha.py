@@ -3,7 +3,8 @@
 alpha = sum_v min(p(v), q(v)) over the whole vocabulary, with q the sparse actor (teacher-forced
 block-sparse attention under the budgets each token was decoded with, `trainer.sparse_attention
 .recorded_plan`; with the DistillSparse adapter on when one served the token) and p the dense policy,
-both at the sampling temperature and both from the trainer's one model in one process. So the value
+both at the sampling temperature and both from the trainer's one model (on several ranks each scores
+its share of the batch, `trainer.rl_update.learn`, and the values are gathered). So the value
 measures what sparsity costs, not engine-vs-trainer numerics (which TIS handles), and it is exact
 where the generators' top-20 lists give only a lower bound.
 
@@ -37,6 +38,7 @@ from trainer.batch import Rollout, collate
 
 if TYPE_CHECKING:
     from trainer.distill import BlockRule
+    from trainer.lora import LoraAdapter
 
 log = logging.getLogger("sparrow.trainer.exact_alpha")
 
@@ -155,14 +157,15 @@ class ChunkPair:
 
 @dataclass
 class ExactAlpha:
-    """The sparse actor's side of the exact-alpha pass: the models, the block rule and how the forward runs.
+    """The sparse actor's side of the exact-alpha pass: the model, the block rule and how the forward runs.
 
-    `policy` is the dense policy (switched to `trainer.sparse_attention`), `adapter_model` the
-    DistillSparse actor whose adapter is on (None without DistillSparse): a rollout whose
-    `adapter_version` is > 0 was served with an adapter and is scored through it (the adapter as
-    the trainer holds it now, as the policy is the trainer's current one). `rule_source` gives the
-    block rule of the schedule in force (sink, local, dense layers; the budgets come from each
-    rollout), read once per step.
+    `policy` is the dense policy (switched to `trainer.sparse_attention`), `adapter` the DistillSparse
+    adapter hooked into it (`trainer.lora.LoraAdapter`; None without DistillSparse): a rollout whose
+    `adapter_version` is > 0 was served with an adapter and is scored with it on (the adapter as the
+    trainer holds it now, as the policy is the trainer's current one), in the same forward as the
+    rows served without one (the adapter on for those rows only). `rule_source` gives the block rule
+    of the schedule in force (sink, local, dense layers; the budgets come from each rollout), read
+    once per step; on several ranks each rank's source gives the one rank 0 read for the step.
     """
 
     policy: torch.nn.Module
@@ -171,7 +174,7 @@ class ExactAlpha:
     chunk: int = lm_head.DEFAULT_CHUNK
     dtype: torch.dtype | None = None
     backend: str = "auto"
-    adapter_model: torch.nn.Module | None = None
+    adapter: LoraAdapter | None = None
 
     def __post_init__(self) -> None:
         self.policy = sparse_attention.install(self.policy)
@@ -188,6 +191,9 @@ class ExactAlpha:
         A rollout whose budgets cannot be reproduced runs dense here, so its rows keep their place in the
         chunking; the caller reports its tokens as having no exact alpha (`unreproducible_mask`).
         """
+        import contextlib
+
+        from trainer.distributed import compute_device
         from trainer.rl_update import response_hidden
 
         if self._rule is None:
@@ -195,43 +201,21 @@ class ExactAlpha:
         rule = self._rule
         fixed = [r if reproducible(r) else _without_budgets(r) for r in rollouts]
         mb = collate(fixed, torch.zeros(len(fixed)), list(range(len(fixed))))
-        device = next(self.policy.parameters()).device
-        mb = mb.to(device)
+        mb = mb.to(compute_device(self.policy))
         plan = sparse_attention.recorded_plan(
             mb.prompt_lens, [r.kv_budgets for r in fixed], mb.input_ids.shape[1], rule.sink, rule.local,
             rule.dense_layers, self.backend,
         )  # fmt: skip
         served = torch.tensor([r.adapter_version > 0 for r in fixed], dtype=torch.bool)
-        # The forward runs whatever `differs` says: under FSDP it is a collective every rank joins.
-        if self.adapter_model is None or not bool(served.any()):
-            hidden = response_hidden(self.policy, mb, self.dtype, sparrow_plan=plan)
+        if self.adapter is None:
             served = torch.zeros_like(served)
-        else:
-            hidden = self._mixed(mb, fixed, plan, served)
+        # One forward whatever the rows were served with (under FSDP2 it is a collective every rank joins,
+        # once per micro-batch); the adapter's hooks add nothing collective, so each rank switches it alone.
+        with self.adapter.on(rows=served) if bool(served.any()) else contextlib.nullcontext():
+            hidden = response_hidden(self.policy, mb, self.dtype, sparrow_plan=plan)
         differs = sparse_rows(plan.budgets, mb.mask.cpu().bool(), served)
         return ChunkPair(hidden, lm_head.output_weight(self.policy), self.temperature, self.chunk,
                          self.dtype or hidden.dtype, differs)  # fmt: skip
-
-    def _mixed(self, mb, rollouts: Sequence[Rollout], plan, served: torch.Tensor) -> torch.Tensor:
-        """Response hidden states of a micro-batch whose rows were served with and without the adapter, in order."""
-        from trainer.rl_update import response_hidden
-
-        both = {}
-        for on, model in ((True, self.adapter_model), (False, self.policy)):
-            rows = [i for i in range(len(rollouts)) if bool(served[i]) == on]
-            if not rows:
-                continue
-            sub = collate([rollouts[i] for i in rows], torch.zeros(len(rows)), list(range(len(rows))))
-            sub = sub.to(mb.input_ids.device)
-            width = sub.input_ids.shape[1]
-            sub_plan = sparse_attention.TeacherForcedPlan(
-                budgets=plan.budgets[rows, :width], sink=plan.sink, local=plan.local,
-                dense_layers=plan.dense_layers, backend=plan.backend,
-            )  # fmt: skip
-            hidden = response_hidden(model, sub, self.dtype, sparrow_plan=sub_plan)
-            for i, part in zip(rows, torch.split(hidden, [len(rollouts[i].token_ids) for i in rows]), strict=True):
-                both[i] = part
-        return torch.cat([both[i] for i in range(len(rollouts))])
 
 
 def sparse_rows(budgets: torch.Tensor, mask: torch.Tensor, served: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ def scores_and_exact(
             for row, part in zip(rows, torch.split(alpha, [len(r.token_ids) for r in picked]), strict=True):
                 exact_out[row] = part
     for _ in range(passes - len(plan)):
-        pad = _PAD_ROLLOUT
+        pad = PAD_ROLLOUT
         pair = timing.timed(exact.pair)([pad]) if exact is not None else None
         scorer.score(
             [pad.sequence],
@@ -191,7 +191,7 @@ def grpo_update(
             totals[key] = totals.get(key, 0.0) + (value if key == "tokens" else value * weight)
     for _ in range(passes - len(batches)):
         (
-            masked_logprobs(model, _empty_batch(device), config.temperature, config.lm_head_chunk, config.dtype).sum()
+            masked_logprobs(model, pad_batch(device), config.temperature, config.lm_head_chunk, config.dtype).sum()
             * 0.0
         ).backward()
     grad_norm = _clip(model, config.max_grad_norm)
@@ -206,12 +206,13 @@ def grpo_update(
     return out
 
 
-_PAD_ROLLOUT = Rollout("", 0, (0,), (0,), (0.0,), (), ())
+# A rank with fewer micro-batches than the busiest one pads with passes over this 2-token rollout.
+PAD_ROLLOUT = Rollout("", 0, (0,), (0,), (0.0,), (), ())
 
 
-def _empty_batch(device: torch.device) -> MicroBatch:
+def pad_batch(device: torch.device) -> MicroBatch:
     """A 2-token micro-batch whose one response token carries no weight: a rank's padding pass."""
-    return collate([_PAD_ROLLOUT], torch.zeros(1), [0]).to(device)
+    return collate([PAD_ROLLOUT], torch.zeros(1), [0]).to(device)
 
 
 def _micro_loss(

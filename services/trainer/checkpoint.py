@@ -171,9 +171,13 @@ class CheckpointManager:
         # One name for every rank (rank 0's): each rank writes its shards into the folder rank 0 renames.
         tmp = self.root / f".tmp-step-{state.step:09d}-{_same_on_every_rank(uuid.uuid4().hex[:8])}"
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        # A value every rank holds (the DistillSparse adapter, its version) is written by rank 0, the one that
+        # publishes: DCP would otherwise pick any rank's copy of it.
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process.*")  # the one-process case is intended
-            dcp.save({"model": model_sd, "optim": optim_sd, **(extra or {})}, checkpoint_id=str(tmp / "state"))
+            parts = {"model": model_sd, "optim": optim_sd, **(extra or {})}
+            dcp.save(parts, checkpoint_id=str(tmp / "state"), planner=planner)
         _barrier()
         if _rank0():
             (tmp / META).write_text(json.dumps(asdict(state)))

@@ -10,6 +10,11 @@ Per step (StepRunner calls `run` once the dense policy has stepped):
     generators read from Redis (sink, local, dense layers; the budgets come from each rollout).
 The service then publishes the adapter (`publish`) right after the policy it was trained against,
 and checkpoints it with the model: this object is the checkpoint's "distill" part (DCP Stateful).
+
+Under torchrun every rank holds one of these and runs `run` on the same batch with the same block
+rule (`StepRule`: rank 0 reads it and sends it with the step's order), each training and probing its
+share; the adapter is whole and identical on every rank. Rank 0 alone exports the metrics, logs,
+and publishes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from services.trainer.config import DistillSection
 from services.trainer.weights import ADAPTER, WeightStore
 from sparrow import metrics_contract as mc
 from sparrow.acceptance import DEFAULT_QUANTILE, binned_stats
+from trainer import distributed
 from trainer.batch import Rollout
 from trainer.distill import BlockRule, DistillConfig, DistillSparse
 from trainer.grpo import GRPOConfig
@@ -98,6 +104,36 @@ def read_block_rule(client: Any, fallback: BlockRule) -> BlockRule:
         return fallback
 
 
+class StepRule:
+    """The block rule of the step in progress: one value for the exact-alpha pass and the adapter, on every rank.
+
+    Rank 0 reads it once per step (`refresh`, from Redis: `read_block_rule`) before it orders the step,
+    and sends it with the order; the other ranks take it from there (`set`). Called, it gives the step's
+    rule (read now when no step has set one).
+    """
+
+    def __init__(self, read: Callable[[], BlockRule]) -> None:
+        self._read = read
+        self._rule: BlockRule | None = None
+
+    def refresh(self) -> BlockRule:
+        """Read the rule for the step about to run."""
+        self._rule = self._read()
+        return self._rule
+
+    def set(self, rule: BlockRule) -> None:
+        """The rule rank 0 read for this step."""
+        self._rule = rule
+
+    def __call__(self) -> BlockRule:
+        return self._rule if self._rule is not None else self.refresh()
+
+
+def fallback_rule(config: DistillSection) -> BlockRule:
+    """The configured block rule, for when Redis holds no schedule."""
+    return BlockRule(config.sink_blocks, config.local_blocks, frozenset(config.dense_layers))
+
+
 def usable(rollout: Rollout) -> bool:
     """Whether the teacher-forced forward can reproduce the rollout's per-position budgets."""
     return len(rollout.kv_budgets) in (0, len(rollout.token_ids)) and all(b % 16 == 0 for b in rollout.kv_budgets)
@@ -120,7 +156,7 @@ class DistillStep:
         dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
-        self.fallback = BlockRule(config.sink_blocks, config.local_blocks, frozenset(config.dense_layers))
+        self.fallback = fallback_rule(config)
         self.rule_source = rule_source or (lambda: self.fallback)
         self.distill = DistillSparse(
             model,
@@ -156,7 +192,8 @@ class DistillStep:
         """Train the adapter on the step's rollouts (after the dense update); probe when due. Returns figures."""
         rows = [i for i, r in enumerate(rollouts) if usable(r)]
         skipped = len(rollouts) - len(rows)
-        if skipped:
+        lead = distributed.rank() == 0  # the others train alike and stay quiet
+        if skipped and lead:
             log.warning("step %d: %d rollout(s) with budgets that are not multiples of 16 left out", step, skipped)
         rule = self.rule_source()
         report: dict[str, Any] = {"skipped": skipped}
@@ -167,8 +204,11 @@ class DistillStep:
         if not rows:
             return report
         stats = self.distill.train_step([rollouts[i] for i in rows], advantages[rows], rule)
+        self._check_replicas(step)
         keys = ("loss", "ppo_loss", "kl", "selection", "grad_norm", "tis_clip_fraction", "tokens")
         report.update({k: stats[k] for k in keys})
+        if not lead:
+            return report
         self.metrics.loss.set(stats["loss"])
         self.metrics.kl.set(stats["kl"])
         self.metrics.selection.set(stats["selection"])
@@ -178,6 +218,15 @@ class DistillStep:
             stats["grad_norm"],
         )  # fmt: skip
         return report
+
+    def _check_replicas(self, step: int) -> None:
+        """Our invariant: every rank's copy of the adapter is the same, bit for bit (same start, same summed
+        gradients, same AdamW). A rank that resumed another adapter would otherwise train on unnoticed."""
+        if distributed.world_size() == 1:
+            return
+        mine = [(float(t.double().sum()), float(t.double().abs().sum())) for t in self.distill.lora_params]
+        if any(other != mine for other in distributed.gather_objects(mine)):
+            raise RuntimeError(f"step {step}: the ranks' copies of the DistillSparse adapter differ")
 
     def _probe(self, rollouts: list[Rollout], rule: BlockRule) -> list[dict[str, Any]]:
         probe = self.distill.probe(rollouts, rule)
@@ -191,6 +240,8 @@ class DistillStep:
             {"bin": w.index, "kv_start": w.kv_start, "tokens": w.count, "p5_with": w.quantile, "p5_without": o.quantile}
             for w, o in both
         ]
+        if distributed.rank() != 0:
+            return rows
         self.metrics.show_probe({r["bin"]: r["p5_with"] for r in rows}, {r["bin"]: r["p5_without"] for r in rows})
         log.info(
             "adapter probe, p5 with/without per bin: %s",

@@ -6,10 +6,12 @@ optimizer. The other ranks do only what takes every rank: each waits for rank 0'
 broadcast) and carries it out:
 
     train       the step's batch (each rollout's tokens, rollout logprobs, top-k lists and budgets, and
-                the advantages): `trainer.rl_update.learn` on this rank's share -- dense scores (the old
-                logprobs), alpha and the update, the loss normalised by the global token count
+                the advantages), its number and block rule (`TrainOrder`): `trainer.rl_update.learn` on
+                this rank's share -- dense scores (the old logprobs), alpha (exact too with
+                alpha = "exact") and the update, the loss normalised by the global token count -- then,
+                with DistillSparse, the adapter's step on its share (probe included when due)
     publish     the gather of the full weights that rank 0 writes
-    checkpoint  this rank's shards of the step's DCP checkpoint
+    checkpoint  this rank's shards of the step's DCP checkpoint (and the adapter, whole on every rank)
     idle        nothing: rank 0 is waiting for rollouts, and says so well within the collective timeout
     stop        exit cleanly (rank 0 has checkpointed)
 
@@ -18,8 +20,11 @@ collectives in the same order. A rank that dies makes the next collective fail o
 within `distributed.timeout_s`, and torchrun ends the rest: the trainer exits non-zero and a
 restart resumes from the last checkpoint (trained groups are in its meta, never trained twice).
 
-DistillSparse's actor shares the policy's tensors, which two FSDP trees cannot (trainer/distributed.py):
-it runs in one trainer process only, and a config that asks for it with several is refused.
+DistillSparse's adapter lives outside the sharded policy, whole on every rank (trainer/lora.py): each
+rank builds its own, from the same seed or checkpoint, and the summed gradients keep them identical.
+The block rule of the step's sparse forwards (exact alpha, the adapter) is read by rank 0 from Redis,
+as the generators read it, and travels in the train order. Rank 0 alone exports the adapter's
+metrics and publishes it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import logging
 import queue
 import signal
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +44,12 @@ from services.trainer.config import TrainerServiceConfig
 from trainer import distributed
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from services.trainer.distill_step import DistillStep
+    from trainer.batch import Rollout
+    from trainer.distill import BlockRule
+    from trainer.exact_alpha import ExactAlpha
     from trainer.rl_update import UpdateConfig
 
 log = logging.getLogger("sparrow.trainer.ranks")
@@ -48,16 +61,20 @@ class RankSetupError(ValueError):
     """The config cannot run on this many ranks; one line."""
 
 
+@dataclass
+class TrainOrder:
+    """What every rank needs for one step: the batch, its advantages, the step's number and block rule."""
+
+    rollouts: list[Rollout]
+    advantages: torch.Tensor
+    step: int = 0
+    rule: BlockRule | None = None  # the sparse forwards' (exact alpha, DistillSparse); None: neither runs
+
+
 def check_world(config: TrainerServiceConfig, world: int) -> None:
     """RankSetupError when `config` cannot train on `world` ranks (checked before any rank joins a group)."""
     if world < 1:
         raise RankSetupError(f"the trainer needs at least 1 process, got a world size of {world}")
-    if world > 1 and config.distill.enabled:
-        raise RankSetupError(
-            f"distill.enabled trains the DistillSparse adapter in one trainer process; {world} processes were asked for"
-        )
-    if world > 1 and config.alpha == "exact":  # the other ranks' steps run no sparse forward to pair with it
-        raise RankSetupError(f'alpha = "exact" runs in one trainer process; {world} processes were asked for')
     if world == 1 and config.memory.cpu_offload:  # one process holds a plain module, no shards to offload
         raise RankSetupError("memory.cpu_offload offloads the FSDP2 shards of several trainer processes; 1 was asked")
     samples = config.groups_per_step * config.sampling.n
@@ -103,6 +120,33 @@ def update_config(config: TrainerServiceConfig) -> UpdateConfig:
         lm_head_chunk=o.lm_head_chunk,
         dtype=getattr(torch, config.dtype),
     )
+
+
+def build_distill(
+    config: TrainerServiceConfig, model: torch.nn.Module, registry: CollectorRegistry, rule: Callable[[], BlockRule]
+) -> DistillStep:
+    """The DistillSparse step over `model` (its adapter seeded by the config: the same on every rank)."""
+    from services.trainer.distill_step import DistillStep
+    from trainer.grpo import GRPOConfig
+
+    g = config.grpo
+    grpo = GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap)
+    return DistillStep(
+        config.distill, model, registry, grpo, config.sampling.temperature, config.metrics.bin_width,
+        config.metrics.num_bins, rule, lm_head_chunk=config.optim.lm_head_chunk, dtype=getattr(torch, config.dtype),
+    )  # fmt: skip
+
+
+def build_exact_alpha(
+    config: TrainerServiceConfig, model: torch.nn.Module, rule: Callable[[], BlockRule], distill: DistillStep | None
+) -> ExactAlpha:
+    """The exact-alpha pass over `model`, through the DistillSparse adapter for rollouts served with one."""
+    from trainer.exact_alpha import ExactAlpha
+
+    return ExactAlpha(
+        model, rule, config.sampling.temperature, config.optim.lm_head_chunk, getattr(torch, config.dtype),
+        config.distill.backend, distill.distill.adapter if distill is not None else None,
+    )  # fmt: skip
 
 
 def apply_optim_settings(config: TrainerServiceConfig, optimizer: torch.optim.Optimizer) -> None:
@@ -186,7 +230,10 @@ _LOST = "lost"
 
 def follow(config: TrainerServiceConfig) -> int:
     """A rank other than 0: build its shard, resume it, carry out rank 0's orders until stop. Returns the steps."""
+    from prometheus_client import CollectorRegistry
+
     from services.trainer.checkpoint import CheckpointManager, TrainState
+    from services.trainer.distill_step import CHECKPOINT_PART, StepRule, fallback_rule
     from services.trainer.weights import gather_policy_state
     from trainer.rl_update import learn
     from trainer.scoring import Scorer
@@ -199,8 +246,13 @@ def follow(config: TrainerServiceConfig) -> int:
     orders = _Orders(distributed.control_group(config.distributed.timeout_s))  # as rank 0's Leader, first
     torch.set_num_threads(config.threads)
     model, optimizer = build_policy(config)
+    rule = StepRule(lambda: fallback_rule(config.distill))  # each train order sets rank 0's rule
+    # Its metrics go nowhere: rank 0 exports the adapter's.
+    distill = build_distill(config, model, CollectorRegistry(), rule) if config.distill.enabled else None
+    exact = build_exact_alpha(config, model, rule, distill) if config.alpha == "exact" else None
+    parts = {CHECKPOINT_PART: distill} if distill is not None else {}
     checkpoints = CheckpointManager(Path(config.run_dir) / "checkpoints", config.checkpoint.keep)
-    resumed = checkpoints.load_latest(model, optimizer)
+    resumed = checkpoints.load_latest(model, optimizer, parts)
     apply_optim_settings(config, optimizer)
     update = update_config(config)
     scorer = Scorer(model, chunk=update.lm_head_chunk, dtype=update.dtype)
@@ -210,13 +262,17 @@ def follow(config: TrainerServiceConfig) -> int:
     while True:
         kind, payload = orders.next()
         if kind == TRAIN:
-            rollouts, advantages = payload
-            learn(model, optimizer, scorer, rollouts, advantages, update)
+            order: TrainOrder = payload  # type: ignore[assignment]
+            if order.rule is not None:
+                rule.set(order.rule)
+            learn(model, optimizer, scorer, order.rollouts, order.advantages, update, exact)
+            if distill is not None:
+                distill.run(order.step, order.rollouts, order.advantages)
             steps += 1
         elif kind == PUBLISH:
             gather_policy_state(model)  # the full tensors land on rank 0 only
         elif kind == CHECKPOINT:
-            checkpoints.save(model, optimizer, TrainState(run_id="", step=int(payload)))
+            checkpoints.save(model, optimizer, TrainState(run_id="", step=int(payload)), parts)
         elif kind == STOP:
             log.info("rank %d stops after %d step(s)", me, steps)
             return steps

@@ -55,14 +55,20 @@ class TrainerService:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         from services.trainer.feeder import Feeder, FeedSettings
-        from services.trainer.ranks import Leader, apply_optim_settings, build_policy, update_config
+        from services.trainer.ranks import (
+            Leader,
+            apply_optim_settings,
+            build_distill,
+            build_exact_alpha,
+            build_policy,
+            update_config,
+        )
         from services.trainer.reward_pool import RewardPool
         from services.trainer.rewarding import RewardScorer
         from services.trainer.step import StepRunner
         from services.trainer.training_data import build_training_data
         from sparrow.work import Sampling
         from trainer import distributed
-        from trainer.grpo import GRPOConfig
         from trainer.model_io import load_tokenizer
 
         self.config = config
@@ -77,9 +83,11 @@ class TrainerService:
         self.model, self.optimizer = build_policy(config)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.data = build_training_data(config, self.tokenizer)
-        s, g = config.sampling, config.grpo
-        grpo = GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap)
-        self.distill = self._distill(grpo) if config.distill.enabled else None
+        s = config.sampling
+        self.rule = self._step_rule() if config.distill.enabled or config.alpha == "exact" else None
+        self.distill = None
+        if config.distill.enabled:
+            self.distill = build_distill(config, self.model, self.metrics.registry, self.rule)
         self.checkpoints = CheckpointManager(self.run_dir / "checkpoints", config.checkpoint.keep)
         self.checkpoints.remove_unfinished()
         resumed = self.checkpoints.load_latest(self.model, self.optimizer, self._checkpoint_parts())
@@ -141,8 +149,9 @@ class TrainerService:
             config.max_staleness,
             self.distill,
             self.data.stop_ids,
-            self._exact_alpha() if config.alpha == "exact" else None,
+            build_exact_alpha(config, self.model, self.rule, self.distill) if config.alpha == "exact" else None,
             self.leader,
+            self.rule,
         )
         self.metrics.policy_version.set(self.state.policy_version)
         self._server = self._http = None
@@ -153,31 +162,12 @@ class TrainerService:
         self.pacing = CheckpointPacing(ck.every, ck.max_overhead, ck.max_interval_s)
         self._checkpoint_on_stop = True
 
-    def _distill(self, grpo):
-        from services.trainer.distill_step import DistillStep, read_block_rule
+    def _step_rule(self):
+        from services.trainer.distill_step import StepRule, fallback_rule, read_block_rule
 
-        c = self.config
-        step = DistillStep(
-            c.distill, self.model, self.metrics.registry, grpo, c.sampling.temperature, c.metrics.bin_width,
-            c.metrics.num_bins, lm_head_chunk=c.optim.lm_head_chunk, dtype=self.compute_dtype,
-        )  # fmt: skip
+        fallback = fallback_rule(self.config.distill)
         # The generators' schedule lives in Redis; the feeder's client exists once __init__ is through.
-        step.rule_source = lambda: read_block_rule(self.feeder.client, step.fallback)
-        return step
-
-    def _exact_alpha(self):
-        from services.trainer.distill_step import read_block_rule
-        from trainer.distill import BlockRule
-        from trainer.exact_alpha import ExactAlpha
-
-        c = self.config
-        d = c.distill
-        fallback = BlockRule(d.sink_blocks, d.local_blocks, frozenset(d.dense_layers))
-        return ExactAlpha(
-            self.model, lambda: read_block_rule(self.feeder.client, fallback), c.sampling.temperature,
-            c.optim.lm_head_chunk, self.compute_dtype, d.backend,
-            self.distill.distill.actor if self.distill is not None else None,
-        )  # fmt: skip
+        return StepRule(lambda: read_block_rule(self.feeder.client, fallback))
 
     def _checkpoint_parts(self) -> dict:
         from services.trainer.distill_step import CHECKPOINT_PART

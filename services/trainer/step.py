@@ -33,7 +33,7 @@ from trainer.rl_update import UpdateConfig, learn
 from trainer.scoring import Scorer
 
 if TYPE_CHECKING:
-    from services.trainer.distill_step import DistillStep
+    from services.trainer.distill_step import DistillStep, StepRule
     from services.trainer.ranks import Leader
 
 log = logging.getLogger("sparrow.trainer.step")
@@ -128,6 +128,7 @@ class StepRunner:
         stop_ids: tuple[int, ...] = (),
         exact: ExactAlpha | None = None,
         leader: Leader | None = None,
+        rule: StepRule | None = None,
     ) -> None:
         self.exact = exact  # the exact-alpha pass ([trainer] alpha = "exact"), None: the top-k bound only
         self.stop_ids = frozenset(stop_ids)  # where a sample may end before max_new_tokens
@@ -145,6 +146,7 @@ class StepRunner:
         self.distill = distill  # trains the sparse actor's adapter after each dense update
         self._alpha_bins: set[int] = set()
         self.leader = leader  # under torchrun: hands the batch to the other ranks
+        self.rule = rule  # the block rule of the exact pass and the adapter, read once per step
 
     def collect(self, policy_version: int) -> tuple[list[str] | None, list[str]]:
         """(the next batch's group ids or None when not enough are complete, groups dropped as stale now)."""
@@ -191,10 +193,11 @@ class StepRunner:
             advantages.append(group_advantages(torch.tensor(group_rewards), len(samples), self.update.grpo.adv_eps))
         # Dense scores, alpha of the whole batch and the update; each rank its share when distributed.
         adv = torch.cat(advantages)
+        rule = self.rule.refresh() if self.rule is not None else None
         if self.leader is not None:
-            from services.trainer.ranks import TRAIN
+            from services.trainer.ranks import TRAIN, TrainOrder
 
-            self.leader.order(TRAIN, (rollouts, adv))
+            self.leader.order(TRAIN, TrainOrder(rollouts, adv, step, rule))
         _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, adv, self.update, self.exact)
         distilled = self.distill.run(step, rollouts, adv) if self.distill is not None else {}
         schedule_version = min(r.schedule_version for r in rollouts)

@@ -60,14 +60,6 @@ def test_two_trainer_processes_run_three_steps(tmp_path):
         (["--trainer-procs", "0"], "trainer_procs"),
         (["--trainer-procs", "-2"], "trainer_procs"),
         (
-            ["--trainer-procs", "2", "--set", "trainer.distill.enabled=true"],
-            "distill.enabled trains the DistillSparse adapter in one trainer process",
-        ),
-        (
-            ["--trainer-procs", "2", "--set", "trainer.alpha=exact"],
-            'alpha = "exact" runs in one trainer process',
-        ),
-        (
             ["--trainer-procs", "3", "--set", "trainer.distributed.even_shares=true"],
             "do not divide over 3 trainer processes",
         ),

@@ -240,6 +240,10 @@ def test_the_trainer_runs_one_torchrun_rank_per_gpu():
     assert cpu["args"][:3] == ["--standalone", "--nproc-per-node", "3"]
     one = container(objects({"trainer": {"procs": 1, "gpu": {"count": 4}}}), "trainer")  # four GPUs, one process
     assert "command" not in one and one["args"][0] == "trainer"
+    # DistillSparse and exact alpha run on every rank, as everything else does.
+    config = {"alpha": "exact", "distill": {"enabled": True}}
+    both = container(objects({"trainer": {"procs": 2, "gpu": {"count": 0}, "config": config}}), "trainer")
+    assert both["command"] == ["python", "-m", "torch.distributed.run"] and both["args"][2] == "2"
 
 
 def test_generator_replicas_are_left_to_the_autoscaler():

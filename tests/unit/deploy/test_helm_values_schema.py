@@ -46,14 +46,6 @@ TEMPLATE_CASES = [
     ({"redis": {"enabled": False}}, "redis.external.host is required"),
     ({"trainer": {"procs": 2, "gpu": {"count": 4}}}, "trainer.procs 2 does not match trainer.gpu.count 4"),
     (
-        {"trainer": {"gpu": {"count": 2}, "config": {"distill": {"enabled": True}}}},
-        "trainer.config.distill.enabled trains the DistillSparse adapter in one trainer process; trainer.procs is 2",
-    ),
-    (
-        {"trainer": {"procs": 2, "gpu": {"count": 0}, "config": {"alpha": "exact"}}},
-        "trainer.config.alpha = exact runs in one trainer process; trainer.procs is 2",
-    ),
-    (
         {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
         "enable serviceMonitor or podMonitor, not both",
     ),

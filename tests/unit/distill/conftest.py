@@ -43,6 +43,12 @@ def sample_rollouts(model, count: int = 4, prompt_len: int = 70, new_tokens: int
     return [rollout_of(p, gen, f"g{i // 2}", i % 2) for i, (p, gen) in enumerate(zip(prompts, gens, strict=True))]
 
 
+def actor_rollouts(distill, count: int = 4, **kwargs):
+    """`sample_rollouts` of the sparse actor: the policy with the adapter on."""
+    with distill.adapter.on():
+        return sample_rollouts(distill.policy, count, **kwargs)
+
+
 @pytest.fixture
 def policy():
     return tiny_policy()

@@ -85,11 +85,10 @@ def test_a_rollout_served_with_the_adapter_is_scored_through_it():
     policy = tiny_policy()
     distill = DistillSparse(policy, DistillConfig(backend="torch", temperature=TEMP, lm_head_chunk=7))
     perturb_adapter(distill)
-    rollouts, _ = _sampled(distill.actor, count=4)
+    with distill.adapter.on():
+        rollouts, _ = _sampled(policy, count=4)
     served = [dataclasses.replace(r, adapter_version=1 if i % 2 else 0) for i, r in enumerate(rollouts)]
-    _, exact = scores_and_exact(
-        Scorer(policy, chunk=7), served, TEMP, 4, exact=_exact(policy, adapter_model=distill.actor)
-    )
+    _, exact = scores_and_exact(Scorer(policy, chunk=7), served, TEMP, 4, exact=_exact(policy, adapter=distill.adapter))
     probe = distill.probe(rollouts, RULE)
     sizes = [len(r.token_ids) for r in rollouts]
     with_adapter = torch.split(probe.with_adapter, sizes)
