@@ -78,7 +78,7 @@ class Launcher:
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         where = f"node {d.node_rank} of {d.nodes}, " if d.nodes > 1 else ""
-        log.info("starting %d trainer processes (%s%d in all)", d.procs_per_node, where, d.world)
+        log.info("starting %d trainer process(es) (%s%d in all)", d.procs_per_node, where, d.world)
         try:
             for attempt in range(d.restarts + 1):
                 if self.stopping.is_set():

@@ -242,6 +242,6 @@ def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoin
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-3000:]
     assert "sparrow trainer: error: no checkpoint under" in r.stderr
-    assert r.stderr.count("starting 2 trainer processes") == 1
+    assert r.stderr.count("starting 2 trainer process(es)") == 1
     assert re.search(r"stopped with a setup error \(.*exit 2.*\); not started again", r.stderr), r.stderr[-3000:]
     assert "starting them again" not in r.stderr
