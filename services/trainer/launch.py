@@ -18,7 +18,9 @@ Exit status: 0 when every rank finished (or stopped on a signal after its checkp
 stopped with a setup error, 1 otherwise. After any other failure every rank of the node starts again,
 `restarts` times, and resumes from the last checkpoint. SIGTERM or SIGINT goes on to the ranks as
 SIGTERM (rank 0 checkpoints, then orders the others to stop); those still running after
-`stop_grace_s` are killed.
+`stop_grace_s` are killed. Signals are taken by a thread of their own (through the wakeup fd), not
+by the main thread, which may be blocked for minutes in the rendezvous's C++ waits: a signal before
+any rank started ends this process at once, with nothing to checkpoint (exit 0).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import uuid
@@ -76,40 +79,50 @@ class Launcher:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         # The agent's own handlers would kill the ranks with the signal; this launcher passes it on instead.
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        # The Python-level handlers do nothing: what they would do runs in the watcher thread, woken through the
+        # wakeup fd by the C-level handler even while the main thread waits inside C++.
+        previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGTERM, signal.SIGINT)}
+        woken, wake = socket.socketpair()
+        wake.setblocking(False)
+        previous_fd = signal.set_wakeup_fd(wake.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(woken,), name="launcher-signals", daemon=True).start()
         where = f"node {d.node_rank} of {d.nodes}, " if d.nodes > 1 else ""
         log.info("starting %d trainer process(es) (%s%d in all)", d.procs_per_node, where, d.world)
         try:
-            for attempt in range(d.restarts + 1):
-                if self.stopping.is_set():
-                    return 0
-                try:
-                    failures = self._attempt()
-                except _Stopped:
-                    return 0
-                if not failures:
-                    log.info("every trainer process on this node finished")
-                    return 0
-                described = ", ".join(f"rank {r}: {_describe(code)}" for r, code in sorted(failures.items()))
-                if SETUP_ERROR in failures.values():
-                    log.error("trainer processes stopped with a setup error (%s); not started again", described)
-                    return SETUP_ERROR
-                if self.stopping.is_set():
-                    log.error("trainer processes did not stop cleanly (%s)", described)
-                    return 1
-                if attempt < d.restarts:
-                    log.warning(
-                        "trainer processes failed (%s); starting them again (%d of %d), from the last checkpoint",
-                        described, attempt + 1, d.restarts,
-                    )  # fmt: skip
-                    continue
-                after = f" after {d.restarts} restart(s)" if d.restarts else ""
-                log.error("trainer processes failed (%s)%s", described, after)
-                return 1
-            return 1
+            return self._attempts()
         finally:
+            signal.set_wakeup_fd(previous_fd)
+            wake.setblocking(True)
+            wake.send(b"\0")  # the watcher's end
+            wake.close()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _attempts(self) -> int:
+        d = self.d
+        for attempt in range(d.restarts + 1):
+            if self.stopping.is_set():
+                return 0
+            failures = self._attempt()
+            if not failures:
+                log.info("every trainer process on this node finished")
+                return 0
+            described = ", ".join(f"rank {r}: {_describe(code)}" for r, code in sorted(failures.items()))
+            if SETUP_ERROR in failures.values():
+                log.error("trainer processes stopped with a setup error (%s); not started again", described)
+                return SETUP_ERROR
+            if self.stopping.is_set():
+                log.error("trainer processes did not stop cleanly (%s)", described)
+                return 1
+            if attempt < d.restarts:
+                log.warning(
+                    "trainer processes failed (%s); starting them again (%d of %d), from the last checkpoint",
+                    described, attempt + 1, d.restarts,
+                )  # fmt: skip
+                continue
+            after = f" after {d.restarts} restart(s)" if d.restarts else ""
+            log.error("trainer processes failed (%s)%s", described, after)
+        return 1
 
     def _attempt(self) -> dict[int, int]:
         """One start of this node's ranks under a fresh agent; {global rank: exit status} of those that failed."""
@@ -147,8 +160,6 @@ class Launcher:
         self._agent = agent
         try:
             result = agent.run()
-        except _Stopped:
-            raise
         except Exception as exc:  # the rendezvous: node 0 unreachable, the others not there in join_timeout_s
             log.error("the trainer processes did not start: %s", _first_line(exc))
             return {-1: 1}
@@ -159,16 +170,24 @@ class Launcher:
             return {}
         return {rank: failure.exitcode for rank, failure in result.failures.items()} or {-1: 1}
 
-    def _on_signal(self, signum: int, _frame) -> None:
-        if self.stopping.is_set():
+    def _watch(self, woken: socket.socket) -> None:
+        with woken:
+            while (data := woken.recv(1)) and data[0] != 0:
+                self._on_signal(data[0])
+
+    def _on_signal(self, signum: int) -> None:
+        if signum not in (signal.SIGTERM, signal.SIGINT) or self.stopping.is_set():
             return  # a second Ctrl-C: the grace period runs already
         self.stopping.set()
         agent = self._agent
         pids = [w.id for w in agent.get_worker_group().workers if w.id is not None] if agent is not None else []
         name = signal.Signals(signum).name
         if not pids:
+            # Waiting at the rendezvous (or between two starts): no rank holds anything to save.
             log.info("%s before the trainer processes started: stopping", name)
-            raise _Stopped  # out of the rendezvous; the agent's shutdown ends whatever it started
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(0)
         log.info(
             "%s: passing it on to %d trainer process(es); they get %.0f s to checkpoint and stop",
             name, len(pids), self.d.stop_grace_s,
@@ -187,8 +206,8 @@ class Launcher:
             _signal_groups(alive, signal.SIGKILL)
 
 
-class _Stopped(Exception):
-    """A signal came before the ranks started."""
+def _ignore(_signum: int, _frame) -> None:
+    pass
 
 
 def _first_line(exc: BaseException) -> str:

@@ -113,3 +113,20 @@ def test_two_nodes_train_a_killed_node_ends_the_other_and_both_resume(tmp_path):
     assert node0.count("starting 1 trainer process(es) (node 0 of 2, 2 in all)") == 2
     assert node1.count("rank 1 of 2 follows rank 0") == 2 and "rank 1 stops after 2 step(s)" in node1
     assert "resumed from step-" in node0
+
+
+def test_a_node_waiting_for_node_0_stops_on_sigterm_without_waiting_out_the_rendezvous(tmp_path):
+    """Node 1 alone waits for node 0 inside the rendezvous's C++ retries (join_timeout_s 600 s), where the main thread
+    runs no Python signal handler; SIGTERM still ends it at once, exit 0, since no rank holds anything to save."""
+    log = tmp_path / "node-1.log"
+    args, rank_var = _chart_command(tmp_path / "trainer.toml", free_port())
+    (tmp_path / "trainer.toml").write_text(f'run_dir = "{tmp_path / "run"}"\n')
+    node = _node(args, rank_var, 1, log)
+    try:
+        wait_until(lambda: "starting 1 trainer process(es) (node 1 of 2" in log.read_text(), 120, "the launch")
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(60) == 0, log.read_text()[-3000:]
+    finally:
+        if node.poll() is None:
+            node.kill()
+    assert "SIGTERM before the trainer processes started: stopping" in log.read_text()
