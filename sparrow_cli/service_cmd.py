@@ -33,6 +33,19 @@ def run_service(args: argparse.Namespace, config_cls: type, flags: dict, main_mo
 
     Bad config, an unknown log level or the service's SetupError are one line (CliError).
     """
+    config = resolve_service_config(args, config_cls, flags)
+    if config is None:
+        return 0
+    main = importlib.import_module(main_module)
+    try:
+        main.serve(config)
+    except main.SetupError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+def resolve_service_config(args: argparse.Namespace, config_cls: type, flags: dict):
+    """The resolved config, with logging set up; None after --print-config printed it. CliError for bad input."""
     import logging
 
     from sparrow.config import ConfigError, load_config
@@ -45,14 +58,9 @@ def run_service(args: argparse.Namespace, config_cls: type, flags: dict, main_mo
         raise CliError(str(exc)) from None
     if args.print_config:
         print(config.dump())
-        return 0
+        return None
     level = getattr(logging, str(args.log_level).upper(), None)
     if not isinstance(level, int):
         raise CliError(f"unknown log level {args.log_level!r}")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    main = importlib.import_module(main_module)
-    try:
-        main.serve(config)
-    except main.SetupError as exc:
-        raise CliError(str(exc)) from None
-    return 0
+    return config

@@ -1,10 +1,14 @@
-"""`sparrow trainer`: run the trainer service (trajectory intake, GRPO + TIS steps, policy publishing)."""
+"""`sparrow trainer`: run the trainer service (trajectory intake, GRPO + TIS steps, policy publishing).
+
+With `--nproc-per-node N` (or `--nnodes`) it starts its own ranks under torchrun's elastic agent
+(services/trainer/launch.py); a process that torchrun started is one rank of them.
+"""
 
 from __future__ import annotations
 
 import argparse
 
-from sparrow_cli.service_cmd import add_common_flags, run_service
+from sparrow_cli.service_cmd import add_common_flags, resolve_service_config
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -16,13 +20,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--grpc-address", help="host:port of the gRPC server (grpc.address)")
     p.add_argument("--metrics-port", type=int, help="port of /metrics (metrics.port)")
     p.add_argument("--steps", type=int, help="steps to train, 0 for until stopped (steps)")
+    ranks = p.add_argument_group("several processes (torchrun's names; ignored in a process torchrun started)")
+    ranks.add_argument(
+        "--nproc-per-node", type=int, metavar="N", help="processes to start on this node (distributed.procs_per_node)"
+    )
+    ranks.add_argument("--nnodes", type=int, metavar="N", help="nodes of the job (distributed.nodes)")
+    ranks.add_argument("--node-rank", type=int, metavar="I", help="this node's index (distributed.node_rank)")
+    ranks.add_argument("--master-addr", metavar="HOST", help="node 0's host name (distributed.master_addr)")
+    ranks.add_argument(
+        "--master-port", type=int, metavar="PORT", help="node 0's rendezvous port (distributed.master_port)"
+    )
+    ranks.add_argument(
+        "--max-restarts", type=int, metavar="N", help="restarts of this node's processes (distributed.restarts)"
+    )
     add_common_flags(p, "services/trainer/trainer.toml")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Resolve the config and serve until done or SIGTERM."""
+    """Resolve the config, then serve (one process or one rank) or start the ranks; the exit status."""
     from services.trainer.config import TrainerServiceConfig
+    from sparrow_cli.errors import CliError
 
     flags = {
         "run_dir": args.run_dir,
@@ -31,5 +49,19 @@ def run(args: argparse.Namespace) -> int:
         "grpc.address": args.grpc_address,
         "metrics.port": args.metrics_port,
         "steps": args.steps,
+        "distributed.procs_per_node": args.nproc_per_node,
+        "distributed.nodes": args.nnodes,
+        "distributed.node_rank": args.node_rank,
+        "distributed.master_addr": args.master_addr,
+        "distributed.master_port": args.master_port,
+        "distributed.restarts": args.max_restarts,
     }
-    return run_service(args, TrainerServiceConfig, flags, "services.trainer.main")
+    config = resolve_service_config(args, TrainerServiceConfig, flags)
+    if config is None:
+        return 0
+    from services.trainer import launch, main
+
+    try:
+        return launch.start(config, args.argv)
+    except main.SetupError as exc:
+        raise CliError(str(exc)) from None

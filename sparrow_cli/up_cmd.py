@@ -20,7 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", metavar="DIR", help="HF-format policy folder to start from (model_dir)")
     p.add_argument("--steps", type=int, help="training steps (steps)")
     p.add_argument("--generators", type=int, help="generator processes (generators)")
-    p.add_argument("--trainer-procs", type=int, help="trainer processes, run by torchrun (trainer_procs)")
+    p.add_argument("--trainer-procs", type=int, help="trainer processes, torchrun ranks (trainer_procs)")
     p.add_argument("--no-controller", action="store_true", help="keep the starting schedule fixed (with_controller)")
     p.add_argument("--dense", action="store_true", help="dense rollouts, no schedule (dense)")
     p.add_argument("--compare", action="store_true", help="run dense, then sparse, and compare them")

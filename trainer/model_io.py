@@ -32,25 +32,14 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
     fit the config (a missing, extra or differently shaped tensor); transformers itself would fill a
     missing tensor with random values and carry on.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     # Its per-tensor progress bar would interleave with command output and service logs.
     hf_logging.disable_progress_bar()
 
     folder = Path(path)
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: no such model folder")
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{folder}: missing config.json")
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as exc:  # JSON errors, unknown model types, failed validators: many types
-        raise ModelLoadError(f"{folder}/config.json: cannot read the config: {_one_line(exc)}") from None
-    stored = _stored_shapes(folder)
-    with torch.device("meta"):
-        wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    _check_weights_fit(folder, stored, wanted, getattr(config, "tie_word_embeddings", False))
+    model_shapes(folder)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             folder, dtype=dtype, attn_implementation=sparse_attention.register(), output_loading_info=True
@@ -61,6 +50,37 @@ def load_model(path: str | Path, device: str = "cpu", dtype: torch.dtype = torch
         if info.get(kind):
             raise ModelLoadError(f"{folder}: weights do not fit the config ({kind}: {sorted(info[kind])[:3]})")
     return model.to(device).eval()
+
+
+def model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """The state-dict names and shapes of the model in folder `path`, built on the meta device (no weights read).
+
+    Raises ModelLoadError (one line) for a missing folder or config, a config transformers cannot read or has
+    no causal-LM class for, and weight files that do not fit the config (their headers only are read).
+    """
+    return _meta_shapes(Path(path))[1]
+
+
+def _meta_shapes(folder: Path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not folder.is_dir():
+        raise ModelLoadError(f"{folder}: no such model folder")
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{folder}: missing config.json")
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as exc:  # JSON errors, unknown model types, failed validators: many types
+        raise ModelLoadError(f"{folder}/config.json: cannot read the config: {_one_line(exc)}") from None
+    stored = _stored_shapes(folder)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # a config class without a causal LM, a model that cannot be built from it
+        raise ModelLoadError(f"{folder}/config.json: no causal LM of this config: {_one_line(exc)}") from None
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    _check_weights_fit(folder, stored, wanted, getattr(config, "tie_word_embeddings", False))
+    return config, wanted
 
 
 def load_tokenizer(path: str | Path):
@@ -131,21 +151,8 @@ def _one_line(exc: BaseException) -> str:
 def check_model_folder(path: str | Path) -> str:
     """What `load_model` and `load_tokenizer` would refuse, found without loading the weights (safetensors headers
     only): ModelLoadError (one line), else a one-line summary of the folder."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     folder = Path(path)
-    if not folder.is_dir():
-        raise ModelLoadError(f"{folder}: no such model folder")
-    if not (folder / "config.json").is_file():
-        raise ModelLoadError(f"{folder}: missing config.json")
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except Exception as exc:
-        raise ModelLoadError(f"{folder}/config.json: cannot read the config: {_one_line(exc)}") from None
-    stored = _stored_shapes(folder)
-    with torch.device("meta"):
-        wanted = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(config).state_dict().items()}
-    _check_weights_fit(folder, stored, wanted, getattr(config, "tie_word_embeddings", False))
+    config, wanted = _meta_shapes(folder)
     tokenizer = load_tokenizer(folder)
     params = sum(math.prod(shape) for shape in wanted.values())
     return (

@@ -67,13 +67,18 @@ class UpConfig(SparrowConfig):
     steps: int = Field(20, ge=1, description="Training steps of the run.")
     generators: int = Field(1, ge=1, le=64, description="Generator processes.")
     trainer_procs: int = Field(
-        1, ge=1, le=64, description="Trainer processes (torchrun ranks on this machine; rank 0 serves, all train)."
+        1,
+        ge=1,
+        le=64,
+        description="Trainer processes on this machine (`sparrow trainer` starts them as torchrun ranks; rank 0 "
+        "serves, all train).",
     )
     trainer_restarts: int = Field(
         3,
         ge=0,
         description="Times a crashed trainer is started again before the run fails (it resumes from its last "
-        "checkpoint): with one process by sparrow up, with several by torchrun, every rank after one fails.",
+        "checkpoint): with one process by sparrow up, with several by the trainer's launcher, every rank after one "
+        "fails; never after a setup error (exit 2).",
     )
     with_controller: bool = Field(True, description="Run the controller (closed-loop schedule); false: fixed schedule.")
     dense: bool = Field(False, description="Dense rollouts: generators run without a schedule (and no controller).")

@@ -128,6 +128,18 @@ def check_training_data(trainer: TrainerServiceConfig, model_dir: Path) -> set[s
         raise SetupError(str(exc)) from None
 
 
+def check_trainer_start(trainer: TrainerServiceConfig, procs: int, build: bool) -> None:
+    """What `sparrow trainer` checks before its ranks start (services/trainer/prechecks.py), checked now, before any
+    service starts: the world size; and unless the model is built at start, its folder. SetupError (one line)."""
+    from services.trainer.prechecks import PrecheckError, check_start
+    from services.trainer.ranks import RankSetupError, check_world
+
+    try:
+        check_world(trainer, procs) if build else check_start(trainer, procs)
+    except (RankSetupError, PrecheckError) as exc:
+        raise SetupError(str(exc)) from None
+
+
 def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
     """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written."""
     run_dir = (run_dir or Path(up.run_dir or default_run_dir())).resolve()
@@ -154,12 +166,7 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
         raise SetupError(str(exc)) from None
     children = resolve(up, run_dir, model_dir, schedule, schedule_file, ports)
     rewards = configured_rewards(children)
-    from services.trainer.ranks import RankSetupError, check_world
-
-    try:
-        check_world(children.trainer, up.trainer_procs)
-    except RankSetupError as exc:
-        raise SetupError(str(exc)) from None
+    check_trainer_start(children.trainer, up.trainer_procs, build)
     if not build:  # the own model is built at start; its chain rows need no check
         rewards |= check_training_data(children.trainer, model_dir)
     try:
@@ -230,19 +237,6 @@ def _sparrow(command: str, config: Path) -> list[str]:
     return [sys.executable, "-m", "sparrow_cli.main", command, "--config", str(config)]
 
 
-def _trainer_argv(procs: int, restarts: int, config: Path) -> list[str]:
-    """`sparrow trainer`, under torchrun for several processes (one node, a rendezvous on a free local port).
-
-    A rank that fails ends the others (the collective timeout); torchrun then starts them all again,
-    `restarts` times at most, and they resume from the last checkpoint.
-    """
-    argv = _sparrow("trainer", config)
-    if procs == 1:
-        return argv
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
-    return [*torchrun, "--max-restarts", str(restarts), "-m", *argv[2:]]
-
-
 def _services(plan: RunPlan) -> list[ServiceSpec]:
     run_dir, logs, cfg = plan.run_dir, plan.run_dir / "logs", plan.run_dir / "services"
     base = dict(os.environ)
@@ -296,7 +290,9 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
         ServiceSpec(
             "trainer",
             "trainer",
-            _trainer_argv(plan.up.trainer_procs, plan.up.trainer_restarts, cfg / "trainer.toml"),
+            # Several processes: it starts its ranks itself (trainer.toml's [distributed]), and starts them again
+            # after a failure, trainer_restarts times, never after a setup error (exit 2).
+            _sparrow("trainer", cfg / "trainer.toml"),
             logs / "trainer.log",
             ready,
             env,

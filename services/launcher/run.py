@@ -8,8 +8,9 @@ generator that exits is reported and the run goes on with the others (its claime
 reclaimed); only when none is left does the run fail. A sandbox that exits is started again (up to
 `sandbox_restarts` times, after 0, 1, 2, 4, 8 s): the rewards that need it wait and retry meanwhile.
 A trainer that crashes is started again too (`trainer_restarts` times): with one process by this
-run, with several by torchrun inside it; it resumes from its last checkpoint, and the groups it had
-trained after that are trained again, never twice (its checkpoint names them).
+run, with several by `sparrow trainer`'s own launcher, which starts all its ranks again; it resumes
+from its last checkpoint, and the groups it had trained after that are trained again, never twice
+(its checkpoint names them). Neither restarts a trainer that exited 2 (a setup error).
 Whatever the end, every child is stopped, the work ledger is read from Redis before Redis stops, and
 the report is written from the history.
 """
@@ -245,7 +246,7 @@ class UpRun:
             time.sleep(up.timeouts.poll_s)
 
     def _trainer_restarts(self, code: int) -> bool:
-        """Whether this run starts an exited trainer again (torchrun does it for several processes).
+        """Whether this run starts an exited trainer again (several processes: the trainer's launcher does).
 
         Not a clean exit before the last step (a bug a restart would meet again), not a setup error
         (exit 2: one line about the config or the run dir, the same on every start).

@@ -37,6 +37,11 @@ WIRED: dict[str, dict[str, str]] = {
         "grpc.address": "ports.trainer_grpc",
         "metrics.port": "ports.trainer_metrics",
         "security.token": "token (SPARROW_TOKEN)",
+        "distributed.procs_per_node": "trainer_procs / --trainer-procs",
+        "distributed.restarts": "trainer_restarts",
+        "distributed.nodes": "nothing (sparrow up runs the trainer on this machine)",
+        "distributed.node_rank": "nothing (sparrow up runs the trainer on this machine)",
+        "distributed.master_addr": "nothing (sparrow up runs the trainer on this machine)",
     },
     "generator": {
         "generator_id": "generators (gen-0, gen-1, ...)",
@@ -110,6 +115,8 @@ def resolve(
             "task": {"pairs": 64, "min_hops": 16, "max_hops": 64},
             "sampling": {"max_new_tokens": 300},
             "checkpoint": {"keep": 2},
+            # Several processes checkpoint on SIGTERM before this run's stop kills the trainer's process group.
+            "distributed": {"stop_grace_s": max(1.0, up.timeouts.stop_grace_s - 5)},
         },
         up.trainer,
         {
@@ -120,6 +127,14 @@ def resolve(
             "wait_for_generators": up.generators,  # they start with the trainer: none gets a head start
             "grpc": {"address": f"{HOST}:{ports.trainer_grpc}"},
             "metrics": {"port": ports.trainer_metrics},
+            # `sparrow trainer` starts its ranks itself; one process is restarted by this run instead.
+            "distributed": {
+                "procs_per_node": up.trainer_procs,
+                "restarts": up.trainer_restarts if up.trainer_procs > 1 else 0,
+                "nodes": 1,
+                "node_rank": 0,
+                "master_addr": "",
+            },
         },
     )
     max_len = prompt_tokens(trainer) + trainer.sampling.max_new_tokens

@@ -121,6 +121,18 @@ class CheckpointPacing:
         self.last_seconds = self.last_end - started
 
 
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The complete checkpoints under `root`, oldest first (none when `root` does not exist); reads, never writes."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = _NAME.match(path.name)
+        if m and (path / META).is_file() and (path / "state" / ".metadata").is_file():
+            found.append((int(m.group(1)), path))
+    return [p for _, p in sorted(found)]
+
+
 class CheckpointError(RuntimeError):
     """Checkpoints exist but none loads: resuming from scratch would silently lose the run, so stop instead."""
 
@@ -144,12 +156,7 @@ class CheckpointManager:
 
     def checkpoints(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
-        found = []
-        for path in self.root.iterdir():
-            m = _NAME.match(path.name)
-            if m and (path / META).is_file() and (path / "state" / ".metadata").is_file():
-                found.append((int(m.group(1)), path))
-        return [p for _, p in sorted(found)]
+        return complete_checkpoints(self.root)
 
     def save(
         self,

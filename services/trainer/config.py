@@ -258,7 +258,13 @@ class DistillSection(ConfigSection):
 
 
 class DistributedConfig(ConfigSection):
-    """Several trainer processes under torchrun: rank 0 serves, each rank trains its share (see ranks.py)."""
+    """Several trainer processes: rank 0 serves, each rank trains its share (see ranks.py).
+
+    `sparrow trainer` starts them itself (services/trainer/launch.py) when procs_per_node * nodes > 1:
+    torchrun's elastic agent on this node, a rendezvous on loopback for one node, a static one at
+    master_addr:master_port for several. A process that torchrun started (WORLD_SIZE set) is a rank:
+    the launch fields below are then ignored, so a user's own torchrun command runs as before.
+    """
 
     timeout_s: float = Field(
         300.0,
@@ -270,6 +276,56 @@ class DistributedConfig(ConfigSection):
         description="Refuse a world size that does not divide a step's samples (groups_per_step * sampling.n), "
         "so that every rank trains as many sequences and none pads.",
     )
+    procs_per_node: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="Trainer processes this command starts on its node (one per GPU). 1 on one node: the trainer "
+        "alone, no launcher.",
+    )
+    nodes: int = Field(1, ge=1, le=4096, description="Nodes of the job, each running this command (node_rank).")
+    node_rank: int = Field(
+        0, ge=0, description="This node's index, 0 .. nodes - 1; node 0 hosts the rendezvous and rank 0 (the service)."
+    )
+    master_addr: str = Field(
+        "",
+        description="Host name of node 0 (its rendezvous store): needed with several nodes; empty on one node, "
+        "a rendezvous on a free loopback port.",
+    )
+    master_port: int = Field(29500, ge=1, le=65535, description="Port of node 0's rendezvous store (with master_addr).")
+    join_timeout_s: float = Field(
+        600.0, gt=0, description="How long the nodes wait for each other at the rendezvous before giving up."
+    )
+    restarts: int = Field(
+        0,
+        ge=0,
+        description="Times this node's processes all start again after one fails (they resume from the last "
+        "checkpoint); never after a setup error (exit 2). One node only: several restart as a whole set, through "
+        "their scheduler (the chart's JobSet).",
+    )
+    stop_grace_s: float = Field(
+        30.0,
+        gt=0,
+        description="On SIGTERM or SIGINT the processes get this long to checkpoint and stop before they are killed.",
+    )
+
+    @model_validator(mode="after")
+    def _launch(self) -> DistributedConfig:
+        if self.node_rank >= self.nodes:
+            raise ValueError(f"distributed.node_rank {self.node_rank} is not below distributed.nodes {self.nodes}")
+        if self.nodes > 1 and not self.master_addr:
+            raise ValueError("distributed.nodes > 1 needs distributed.master_addr (node 0's host name)")
+        if self.nodes > 1 and self.restarts:
+            raise ValueError(
+                "distributed.restarts restarts one node's processes; several nodes restart as a whole set through "
+                "their scheduler: set it to 0"
+            )
+        return self
+
+    @property
+    def world(self) -> int:
+        """Trainer processes in the whole job."""
+        return self.procs_per_node * self.nodes
 
 
 class MemoryConfig(ConfigSection):
@@ -385,7 +441,7 @@ class TrainerServiceConfig(SparrowConfig):
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="Policy publishing.")
     distill: DistillSection = Field(default_factory=DistillSection, description="DistillSparse LoRA adapter.")
     distributed: DistributedConfig = Field(
-        default_factory=DistributedConfig, description="Several processes under torchrun."
+        default_factory=DistributedConfig, description="Several processes: their launch and their collectives."
     )
     memory: MemoryConfig = Field(default_factory=MemoryConfig, description="Activation checkpointing, CPU offload.")
 

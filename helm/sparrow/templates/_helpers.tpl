@@ -295,3 +295,24 @@ Call with (dict "ctx" $ "key" "service-token" "value" .Values.security.serviceTo
     readOnly: true
 {{- end }}
 {{- end }}
+
+{{- /* Trainer processes in each pod: trainer.procs, or one per GPU (0); several must match the GPU count. */}}
+{{- define "sparrow.trainer.procs" -}}
+{{- $procs := int .Values.trainer.procs }}
+{{- if eq $procs 0 }}{{ $procs = max 1 (int .Values.trainer.gpu.count) | int }}{{ end }}
+{{- $gpus := int .Values.trainer.gpu.count }}
+{{- if and (gt $procs 1) (gt $gpus 0) (ne $procs $gpus) }}
+{{- fail (printf "trainer.procs %d does not match trainer.gpu.count %d (one rank per GPU)" $procs $gpus) }}
+{{- end }}
+{{- $procs }}
+{{- end }}
+
+{{- /* Several trainer nodes: the JobSet's headless subdomain (not the trainer Service's name, which selects pod 0
+     only) and pod 0's stable DNS name under it: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>. */}}
+{{- define "sparrow.trainer.nodesSubdomain" -}}
+{{- printf "%s-nodes" (include "sparrow.trainer.fullname" .) }}
+{{- end }}
+
+{{- define "sparrow.trainer.node0" -}}
+{{- printf "%s-node-0-0.%s" (include "sparrow.trainer.fullname" .) (include "sparrow.trainer.nodesSubdomain" .) }}
+{{- end }}

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.slow
 
 STEPS = 6
 # 16-token bins over prompts of 59 tokens (18 pairs) plus up to 16 new ones: a response's first 5 tokens
-# fall in bin 3 and the rest in bin 4 (a short correct answer is 8 tokens), so both bins fill every step; and a 48-token budget (sink + 2 local pages) makes every decode step of layers 1-3 sparse.
+# fall in bin 3 and the rest in bin 4 (a short correct answer is 8 tokens), so both bins fill every step;
+# and a 48-token budget (sink + 2 local pages) makes every decode step of layers 1-3 sparse.
 SCHEDULE = {"name": "test", "version": 1, "bin_width": 16, "budgets": [48] * 6, "dense_layers": [0]}
 # One step's worth of groups ahead of training: a group the killed generator holds must be generated
 # again before the next step can be complete, so the run goes on only if it is.

@@ -1,9 +1,11 @@
-"""`sparrow up --trainer-procs 2`: the trainer runs as 2 torchrun ranks (gloo) and the run completes with the world
-size in its summary and in the trainer's metric; a trainer that cannot run on the ranks asked for is one line, exit 2,
-before anything starts."""
+"""`sparrow up --trainer-procs 2`: the trainer starts itself as 2 torchrun ranks (gloo) and the run completes with the
+world size in its summary and in the trainer's metric; a trainer that cannot run on the ranks asked for, or on the model
+given, is one line, exit 2, before anything starts (the run folder is new, so it holds no checkpoint of another model:
+`sparrow trainer` itself checks that, tests/integration/trainer_service/test_trainer_ranks.py)."""
 
 import json
 import os
+import shutil
 import signal
 import time
 import urllib.request
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cli_runner import sparrow
-from tests.integration.launcher.helpers import UpProcess, alive, processes, tiny_config, wait_for_processes
+from tests.integration.launcher.helpers import TINY, UpProcess, alive, processes, tiny_config, wait_for_processes
 
 
 def _workers(torchrun_pid: int) -> list[int]:
@@ -38,7 +40,7 @@ def test_two_trainer_processes_run_three_steps(tmp_path):
         while len(workers) < 2 and time.monotonic() < deadline:
             workers = _workers(trainer["pid"])
             time.sleep(0.2)
-        assert len(workers) == 2, workers  # torchrun's two ranks
+        assert len(workers) == 2, workers  # the two ranks, children of the trainer's own launcher
         code = up.wait(400)
     finally:
         up.kill()
@@ -74,6 +76,23 @@ def test_trainer_procs_that_cannot_run_are_one_line_exit_2(tmp_path, args, messa
     assert not run_dir.exists()  # nothing started, nothing written
 
 
+def test_a_model_the_trainer_cannot_build_is_one_line_exit_2_before_anything_starts(tmp_path):
+    """The trainer's start checks run in `sparrow up`'s plan: a model folder whose config.json names a model type
+    transformers does not know stops the run before Redis or any service starts (they used to start, and the trainer
+    exited after them)."""
+    model = tmp_path / "model"
+    shutil.copytree(TINY, model)
+    config = json.loads((model / "config.json").read_text()) | {"model_type": "no-such-model"}
+    (model / "config.json").write_text(json.dumps(config))
+    run_dir = tmp_path / "run"
+    up = tiny_config(tmp_path / "up.toml")
+    result = sparrow("up", "--config", up, "--model", model, "--trainer-procs", "2", "--run-dir", run_dir)
+    assert result.returncode == 2, result.stderr
+    assert "config.json: cannot read the config" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not run_dir.exists()
+
+
 def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     for pid in _workers(torchrun_pid):
         try:
@@ -104,9 +123,9 @@ def _completed_with_nothing_lost(up: UpProcess, code: int, run_dir, steps: int) 
 
 @pytest.mark.slow
 def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tmp_path):
-    """SIGKILL to rank 1 after step 1: the trainer's ranks end within the collective timeout, torchrun (under sparrow
-    up) starts them again, they resume from the checkpoint, and the run completes with no group lost or trained
-    twice."""
+    """SIGKILL to rank 1 after step 1: the trainer's ranks end within the collective timeout, the trainer's launcher
+    (under sparrow up) starts them again, they resume from the checkpoint, and the run completes with no group lost or
+    trained twice."""
     run_dir = tmp_path / "run"
     config = tiny_config(tmp_path / "up.toml", extra="[trainer.distributed]\ntimeout_s = 20\n")
     up = UpProcess(
@@ -124,13 +143,14 @@ def test_a_trainer_rank_killed_mid_run_is_started_again_and_the_run_completes(tm
         while time.monotonic() < deadline and (_rank_pid(trainer["pid"], 1) in (None, victim)):
             time.sleep(0.2)
         restarted = _rank_pid(trainer["pid"], 1)
-        assert restarted not in (None, victim), "torchrun did not start the ranks again"
+        assert restarted not in (None, victim), "the launcher did not start the ranks again"
         code = up.wait(400)
     finally:
         up.kill()
     _completed_with_nothing_lost(up, code, run_dir, steps=4)
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert log.count("rank 1 of 2 follows rank 0") == 2  # the first ranks and the restarted ones
+    assert "starting them again (1 of 3), from the last checkpoint" in log
     assert "resumed from step-" in log
 
 

@@ -1,11 +1,15 @@
-"""`sparrow trainer` under torchrun, 2 gloo ranks really running: rank 0 serves and publishes, rank 1 follows each
-step; a rank killed with SIGKILL ends the trainer within the collective timeout, and a restart resumes from the
-checkpoint with no group trained twice; DistillSparse with exact alpha trains on both ranks, its adapter is
-published, fetched and loaded by a generator's engine, and a restart resumes it; a config that cannot run on the
-ranks asked for is one line, exit 2."""
+"""`sparrow trainer` over 2 gloo ranks really running, started by a user's own torchrun and by `sparrow trainer
+--nproc-per-node 2` itself: rank 0 serves and publishes, rank 1 follows each step; a rank killed with SIGKILL ends the
+trainer within the collective timeout, a restart resumes from the checkpoint with no group trained twice, and SIGTERM
+to the launcher stops the ranks after their checkpoint with exit 0; DistillSparse with exact alpha trains on both
+ranks, its adapter is published, fetched and loaded by a generator's engine, and a restart resumes it. What cannot run
+(a world size the config refuses, a checkpoint of another model) is one line, exit 2, before any rank starts; a setup
+error only the ranks meet is exit 2 too, and not restarted."""
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from services.trainer.checkpoint import CheckpointManager
+from services.trainer.checkpoint import CheckpointManager, TrainState
 from services.trainer.service import STEPS_FILE
 from tests.integration.trainer_service.helpers import REPO, TINY, SamplingGenerator
 from tests.servers import free_port, redis_server, wait_until
 
 N, GROUPS_PER_STEP = 4, 2
 TIMEOUT_S = 20  # the collective timeout of these runs
+STOP_GRACE_S = 120  # a step and its checkpoint on a loaded 2-core machine fit in it
 
 
 def _write_config(
@@ -55,6 +60,7 @@ every = 1
 keep = 2
 [distributed]
 timeout_s = {TIMEOUT_S}
+stop_grace_s = {STOP_GRACE_S}
 {tables}
 """
     )
@@ -64,6 +70,14 @@ def _torchrun(config: Path, log: Path, procs: int, *args: str) -> subprocess.Pop
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(procs)]
     cmd += ["-m", "sparrow_cli.main", "trainer", "--config", str(config), *args]
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _sparrow_trainer(config: Path, log: Path, *args: str) -> subprocess.Popen:
+    """`sparrow trainer --config CONFIG ARGS`, its output appended to `log`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--config", str(config), *args]
     with log.open("ab") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -90,11 +104,14 @@ def _steps(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_two_ranks_train_serve_and_publish_and_a_killed_rank_ends_the_trainer_in_bounded_time(tmp_path):
+    """A user's torchrun runs 2 ranks; rank 1 is SIGKILLed after 2 steps and torchrun ends non-zero within the
+    collective timeout. `sparrow trainer --nproc-per-node 2` then resumes the run from its checkpoint and, on SIGTERM
+    after 2 more steps, has its ranks checkpoint and stop: exit 0, every step's groups trained once, versions rising."""
     run_dir, config, log = tmp_path / "run", tmp_path / "trainer.toml", tmp_path / "trainer.log"
     with redis_server() as redis:
         port, metrics_port = free_port(), free_port()
         _write_config(config, run_dir, redis.url, port, metrics_port)
-        first = _torchrun(config, log, 2)
+        first, second = _torchrun(config, log, 2), None
         generator = SamplingGenerator(redis.url, f"127.0.0.1:{port}", follow_policy=True, work_dir=tmp_path).start()
         try:
             wait_until(lambda: len(_steps(run_dir)) >= 2, 240, "2 steps on 2 ranks")
@@ -109,24 +126,31 @@ def test_two_ranks_train_serve_and_publish_and_a_killed_rank_ends_the_trainer_in
             ended_after = time.monotonic() - killed
             at_kill = _newest(run_dir)
             assert code != 0 and at_kill is not None and at_kill.step >= 2
-            # The restart: same run dir, 2 ranks again, 2 more steps than the checkpoint holds.
-            second = _torchrun(config, log, 2, "--steps", str(at_kill.step + 2))
-            assert second.wait(240) == 0, log.read_text()[-4000:]
+            # The restart: same run dir, 2 ranks again, now started by `sparrow trainer` itself and trained until
+            # SIGTERM, which it passes on: rank 0 checkpoints and stops the other, both exit 0, and so does it.
+            second = _sparrow_trainer(config, log, "--nproc-per-node", "2")
+            wait_until(lambda: _newest(run_dir).step >= at_kill.step + 2, 240, "2 steps after the restart")
+            second.send_signal(signal.SIGTERM)
+            assert second.wait(STOP_GRACE_S + 30) == 0, log.read_text()[-4000:]
         finally:
             generator.close()
-            if first.poll() is None:
-                first.kill()
+            for proc in (first, second):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
     assert ended_after < TIMEOUT_S + 45
     final = _newest(run_dir)
     trained = [gid for step in final.history for gid in step]
-    assert final.step == at_kill.step + 2 and len(trained) == len(set(trained)) == final.step * GROUPS_PER_STEP
+    assert final.step >= at_kill.step + 2 and len(trained) == len(set(trained)) == final.step * GROUPS_PER_STEP
     assert final.history[: at_kill.step] == at_kill.history
     rows = _steps(run_dir)
+    assert [r["step"] for r in rows][-1] == final.step  # the stop came after the last step's checkpoint
     versions = [r["published_version"] for r in rows]
     assert versions == sorted(set(versions)), versions  # each version once, rising across the crash
     assert all(r["samples"] == GROUPS_PER_STEP * N and r["loss"] == r["loss"] for r in rows)
     text = log.read_text()
-    assert "rank 1 of 2 follows rank 0" in text and "rank 1 stops after 2 step(s)" in text
+    assert text.count("rank 1 of 2 follows rank 0") == 2  # the user's torchrun's ranks, then the launcher's
+    assert "SIGTERM: passing it on to 2 trainer process(es)" in text
+    assert re.search(rf"rank 1 stops after {final.step - at_kill.step} step\(s\)", text), text[-3000:]
     assert generator.version > 2  # the generator loaded versions published from the ranks' shards
 
 
@@ -199,17 +223,92 @@ def test_two_ranks_train_publish_and_resume_the_distill_adapter_with_exact_alpha
 
 
 @pytest.mark.parametrize(
-    ("sets", "procs", "message"),
+    ("args", "world", "message"),
     [
-        (["distributed.even_shares=true", "groups_per_step=3"], 2, "do not divide over 2 trainer processes"),
+        # A rank (WORLD_SIZE set, as torchrun does) refuses what it cannot run before it joins the group.
+        (["--set", "distributed.even_shares=true", "--set", "groups_per_step=3"], 2, "do not divide over 2 trainer"),
+        # The launcher (no WORLD_SIZE) refuses the same before any rank starts, for the whole world of all nodes.
+        (["--nproc-per-node", "0"], None, "distributed.procs_per_node"),
+        (
+            ["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1"]
+            + ["--set", "distributed.even_shares=true", "--set", "groups_per_step=3"],
+            None,
+            "9 samples (groups_per_step 3 x sampling.n 3) do not divide over 4 trainer processes",
+        ),
     ],
 )
-def test_a_config_that_cannot_run_on_the_ranks_is_one_line_exit_2(tmp_path, sets, procs, message):
-    env = {**os.environ, "WORLD_SIZE": str(procs), "RANK": "0", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(tmp_path / "run")]
-    for s in [*sets, "sampling.n=3"]:
-        cmd += ["--set", s]
-    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+def test_a_config_that_cannot_run_on_the_ranks_is_one_line_exit_2(tmp_path, args, world, message):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    if world is not None:
+        env |= {"WORLD_SIZE": str(world), "RANK": "0"}
+    cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(tmp_path / "run"), *args]
+    r = subprocess.run([*cmd, "--set", "sampling.n=3"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "run").exists()  # refused before anything starts
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint_and_another_model(tmp_path_factory) -> tuple[Path, Path]:
+    """A run dir holding a checkpoint of models/tiny, and a model folder of another shape (hidden 32, not 64)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.model_io import load_model
+
+    root = tmp_path_factory.mktemp("other-model")
+    other = root / "other"
+    other.mkdir()
+    for f in TINY.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, other / f.name)
+    config = json.loads((TINY / "config.json").read_text()) | {"hidden_size": 32, "intermediate_size": 64}
+    (other / "config.json").write_text(json.dumps(config))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(other)).save_pretrained(other)
+    model = load_model(TINY)
+    CheckpointManager(root / "run" / "checkpoints", keep=2).save(
+        model, torch.optim.AdamW(model.parameters()), TrainState(run_id="tiny", step=1)
+    )
+    return root / "run", other
+
+
+@pytest.mark.parametrize("procs", ["1", "2"])
+def test_a_checkpoint_of_another_model_is_one_line_exit_2_before_any_rank_starts(
+    tiny_checkpoint_and_another_model, procs
+):
+    """The run dir's newest checkpoint is models/tiny's; the config names a model of another shape: the launcher (and
+    the one process alike) names the checkpoint and the first tensor that differs, and leaves the run dir as it was."""
+    run_dir, other = tiny_checkpoint_and_another_model
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(run_dir), "--model-dir", str(other)]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [*cmd, "--nproc-per-node", procs], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "step-000000001 is a checkpoint of another model than" in r.stderr
+    assert "is [521, 64] there and [521, 32] in the model" in r.stderr
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoint_and_another_model, tmp_path):
+    """Checkpoint shards overwritten with garbage pass the launcher's checks (their metadata is whole) but load on no
+    rank: each rank exits 2 (one line), and the launcher, though allowed 2 restarts, starts them once and exits 2 where
+    torchrun would have started them 3 times and exited 1."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_checkpoint_and_another_model[0], run_dir)
+    for shard in run_dir.glob("checkpoints/step-*/state/*.distcp"):
+        shard.write_bytes(b"garbage")
+    cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(run_dir), "--model-dir", str(TINY)]
+    cmd += ["--nproc-per-node", "2", "--max-restarts", "2", "--grpc-address", "127.0.0.1:0", "--metrics-port", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "sparrow trainer: error: no checkpoint under" in r.stderr
+    assert r.stderr.count("starting 2 trainer process(es)") == 1
+    assert re.search(r"stopped with a setup error \(.*exit 2.*\); not started again", r.stderr), r.stderr[-3000:]
+    assert "starting them again" not in r.stderr

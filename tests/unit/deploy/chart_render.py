@@ -44,7 +44,20 @@ EXTERNAL_REDIS: dict[str, Any] = {
     "generator": {"autoscaling": {"keda": {"enabled": True}}},
     "networkPolicy": {"enabled": True},
 }
-VARIANTS = {"defaults": None, "all-on-hpa": ALL_ON_HPA, "all-on-keda": ALL_ON_KEDA, "external-redis": EXTERNAL_REDIS}
+# The trainer over 2 nodes of 4 GPUs: a JobSet on a shared (ReadWriteMany) run directory.
+SEVERAL_NODES: dict[str, Any] = {
+    "trainer": {"nodes": 2, "gpu": {"count": 4}, "restarts": 2, "persistence": {"accessModes": ["ReadWriteMany"]}},
+    "monitoring": MONITORING_ON_PODS,
+    "networkPolicy": {"enabled": True},
+    "security": {"tls": {"enabled": True, "existingSecret": "sparrow-tls"}},
+}
+VARIANTS = {
+    "defaults": None,
+    "all-on-hpa": ALL_ON_HPA,
+    "all-on-keda": ALL_ON_KEDA,
+    "external-redis": EXTERNAL_REDIS,
+    "several-nodes": SEVERAL_NODES,
+}
 
 
 def render(values: dict[str, Any] | None = None) -> dict[str, str]:
@@ -70,8 +83,17 @@ def find(objs: list[dict[str, Any]], kind: str, component: str | None = None) ->
     return found
 
 
+def pod_template(workload: dict[str, Any]) -> dict[str, Any]:
+    """The pod template of a Deployment, StatefulSet or JobSet (its one replicated Job's)."""
+    if workload["kind"] == "JobSet":
+        (replicated,) = workload["spec"]["replicatedJobs"]
+        return replicated["template"]["spec"]["template"]
+    return workload["spec"]["template"]
+
+
 def container(objs: list[dict[str, Any]], component: str) -> dict[str, Any]:
-    """The one container of the component's workload (Deployment or StatefulSet)."""
-    (workload,) = [o for o in find(objs, "Deployment", component) + find(objs, "StatefulSet", component)]
-    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    """The one container of the component's workload (Deployment, StatefulSet, or the several-node JobSet)."""
+    kinds = ("Deployment", "StatefulSet", "JobSet")
+    (workload,) = [o for kind in kinds for o in find(objs, kind, component)]
+    (c,) = pod_template(workload)["spec"]["containers"]
     return c

@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel
 
 from sparrow.config import load_config
-from tests.unit.deploy.chart_render import ALL_ON_HPA, REPO, container, objects
+from tests.unit.deploy.chart_render import ALL_ON_HPA, REPO, SEVERAL_NODES, container, objects
 
 CONFIGS = {
     "generator": "services.generator.config:GeneratorConfig",
@@ -41,16 +41,24 @@ def field_of(model: type[BaseModel], env_name: str) -> str | None:
     return ".".join(path)
 
 
+def _chart_env(values: dict, component: str) -> dict[str, str]:
+    # A secret reference gets a stand-in value; a pod field (the trainer's node rank: a completion index), pod 0's.
+    def value(e: dict) -> str:
+        return e.get("value", "0" if "fieldRef" in e.get("valueFrom", {}) else "secret-from-a-Secret")
+
+    return {e["name"]: value(e) for e in container(objects(values), component)["env"]}
+
+
 def environments(component: str) -> dict[str, dict[str, str]]:
     """Where the variables come from -> {name: value} (secret references get a stand-in value)."""
-    chart = {
-        e["name"]: e.get("value", "secret-from-a-Secret") for e in container(objects(ALL_ON_HPA), component)["env"]
-    }
     service = yaml.safe_load((REPO / "docker-compose.yml").read_text())["services"][component]
     compose = {
         k: ("secret-from-.env" if str(v).startswith("${") else str(v)) for k, v in service["environment"].items()
     }
-    return {"chart": chart, "compose": compose}
+    out = {"chart": _chart_env(ALL_ON_HPA, component), "compose": compose}
+    if component == "trainer":
+        out["chart, several nodes"] = _chart_env(SEVERAL_NODES, component)
+    return out
 
 
 @pytest.mark.parametrize("component", sorted(CONFIGS))

@@ -2,7 +2,9 @@
 
 Built-in kinds are validated strictly (unknown fields refused) against the Kubernetes OpenAPI
 schemas of `kubernetes-validate` for the oldest (1.29) and newest Kubernetes it ships; the Prometheus
-Operator and KEDA kinds, whose CRD schemas are not on disk, against the fields their CRDs require.
+Operator and KEDA kinds, whose CRD schemas are not on disk, against the fields their CRDs require;
+the JobSet (several trainer nodes) against its v1alpha2 fields written out by hand from its API
+types (unknown fields refused), and the Job template inside it strictly as a batch/v1 Job.
 """
 
 from __future__ import annotations
@@ -21,10 +23,12 @@ from tests.unit.deploy.chart_render import (
     EXTERNAL_REDIS,
     NAMESPACE,
     RELEASE,
+    SEVERAL_NODES,
     VARIANTS,
     container,
     find,
     objects,
+    pod_template,
     render,
 )
 
@@ -134,6 +138,104 @@ CRD_SCHEMAS = {
 }
 
 
+def _strings(**extra) -> dict:
+    return {"type": "array", "items": {"type": "string"}, **extra}
+
+
+# jobset.x-k8s.io/v1alpha2, from the project's API types (api/jobset/v1alpha2/jobset_types.go): every field of the
+# spec and of what the chart fills in, so that a misspelt or misplaced field is refused as the API server would.
+_JOBSET_RULE = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "action"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"},
+        "action": {
+            "enum": [
+                "FailJobSet",
+                "RestartJobSet",
+                "RestartJobSetAndIgnoreMaxRestarts",
+                "RestartJob",
+                "RestartJobAndIgnoreMaxRestarts",
+            ]
+        },  # fmt: skip
+        "onJobFailureReasons": _strings(uniqueItems=True),
+        "onJobFailureMessagePatterns": _strings(uniqueItems=True),
+        "targetReplicatedJobs": _strings(),
+    },
+}
+JOBSET_SCHEMA = {
+    "type": "object",
+    "required": ["metadata", "spec"],
+    "properties": {
+        "metadata": _META,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["replicatedJobs"],
+            "properties": {
+                "replicatedJobs": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "template"],
+                        "properties": {
+                            "name": {"type": "string", "minLength": 1},
+                            "groupName": {"type": "string"},
+                            "replicas": {"type": "integer", "minimum": 0},
+                            "template": {"type": "object", "required": ["spec"]},
+                            "dependsOn": {"type": "array"},
+                        },
+                    },
+                },
+                "network": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "enableDNSHostnames": {"type": "boolean"},
+                        "subdomain": {"type": "string"},
+                        "publishNotReadyAddresses": {"type": "boolean"},
+                    },
+                },
+                "successPolicy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["operator"],
+                    "properties": {"operator": {"enum": ["All", "Any"]}, "targetReplicatedJobs": _strings()},
+                },
+                "failurePolicy": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "maxRestarts": {"type": "integer", "minimum": 0},
+                        "restartStrategy": {"enum": ["Recreate", "BlockingRecreate", "InPlaceRestart"]},
+                        "rules": {"type": "array", "items": _JOBSET_RULE},
+                    },
+                },
+                "startupPolicy": {"type": "object"},
+                "suspend": {"type": "boolean"},
+                "coordinator": {"type": "object"},
+                "managedBy": {"type": "string"},
+                "ttlSecondsAfterFinished": {"type": "integer", "minimum": 0},
+                "volumeClaimPolicies": {"type": "array"},
+            },
+        },
+    },
+}
+CRD_SCHEMAS[("jobset.x-k8s.io/v1alpha2", "JobSet")] = JOBSET_SCHEMA
+
+
+def _validate_jobset_jobs(jobset: dict) -> None:
+    """Each replicated Job's template, strictly, as the batch/v1 Job the JobSet controller makes of it."""
+    for replicated in jobset["spec"]["replicatedJobs"]:
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": replicated["name"]}}
+        job["spec"] = replicated["template"]["spec"]
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(job, version, strict=True)
+
+
 def test_lint_is_clean_with_defaults_and_every_feature_on():
     for values in VARIANTS.values():
         report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
@@ -149,6 +251,8 @@ def test_every_object_validates_against_kubernetes_schemas(variant):
         key = (obj["apiVersion"], obj["kind"])
         if key in CRD_SCHEMAS:
             jsonschema.validate(obj, CRD_SCHEMAS[key])
+            if obj["kind"] == "JobSet":
+                _validate_jobset_jobs(obj)
             continue
         for version in K8S_VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)
@@ -164,6 +268,25 @@ def test_the_validator_refuses_a_bad_object():
     deployment["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "fifty"
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+    # The JobSet's hand-written schema and its Job check refuse the same kinds of mistake.
+    (jobset,) = find(objects(SEVERAL_NODES), "JobSet")
+    for path, value in (
+        (("spec", "failurePolicy", "rules", 0, "name"), "setup-error"),  # its names take no hyphen
+        (("spec", "failurePolicy", "rules", 0, "action"), "FailJob"),
+        (("spec", "network", "enableDnsHostnames"), True),
+        (("spec", "successPolicy", "operator"), "Most"),
+    ):
+        bad = copy.deepcopy(jobset)
+        node = bad
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, JOBSET_SCHEMA)
+    bad = copy.deepcopy(jobset)
+    bad["spec"]["replicatedJobs"][0]["template"]["spec"]["podFailurePolicy"]["rules"][0]["onExitCode"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_jobset_jobs(bad)
 
 
 def test_optional_kinds_appear_only_when_enabled():
@@ -224,26 +347,30 @@ def test_workloads_run_unprivileged_with_probes_and_gpus():
     assert "tcpSocket" in container(objects(ALL_ON_HPA), "generator")["readinessProbe"]
 
 
-def test_the_trainer_runs_one_torchrun_rank_per_gpu():
+def test_the_trainer_runs_one_rank_per_gpu():
     config = "/etc/sparrow/config/trainer.toml"
     alone = container(objects(), "trainer")  # the default: one GPU, the trainer alone
     assert "command" not in alone and alone["args"] == ["trainer", "--config", config]
     four = container(objects({"trainer": {"gpu": {"count": 4}, "restarts": 5}}), "trainer")
-    assert four["command"] == ["python", "-m", "torch.distributed.run"]
+    assert "command" not in four  # the image's `sparrow`, which starts the ranks itself
     assert four["args"] == [
-        "--standalone", "--nproc-per-node", "4", "--max-restarts", "5",
-        "--shutdown-timeout", "290",  # the pod's grace period (300 s) less 10 s to checkpoint in, not torchrun's 30
-        "-m", "sparrow_cli.main", "trainer", "--config", config,
+        "trainer", "--config", config, "--nproc-per-node", "4", "--max-restarts", "5",
+        "--set", "distributed.stop_grace_s=290",  # the pod's grace period (300 s) less 10 s to checkpoint in
     ]  # fmt: skip
     assert four["resources"]["limits"]["nvidia.com/gpu"] == 4
     cpu = container(objects({"trainer": {"procs": 3, "gpu": {"count": 0}}}), "trainer")  # gloo ranks, no GPU
-    assert cpu["args"][:3] == ["--standalone", "--nproc-per-node", "3"]
+    assert cpu["args"][3:5] == ["--nproc-per-node", "3"]
     one = container(objects({"trainer": {"procs": 1, "gpu": {"count": 4}}}), "trainer")  # four GPUs, one process
-    assert "command" not in one and one["args"][0] == "trainer"
+    assert one["args"] == ["trainer", "--config", config]
+    # The flags are the command's own: its parser takes them and they set the [distributed] fields meant.
+    from sparrow_cli.main import build_parser
+
+    args = build_parser().parse_args(four["args"])
+    assert (args.nproc_per_node, args.max_restarts, args.set) == (4, 5, ["distributed.stop_grace_s=290"])
     # DistillSparse and exact alpha run on every rank, as everything else does.
-    config = {"alpha": "exact", "distill": {"enabled": True}}
-    both = container(objects({"trainer": {"procs": 2, "gpu": {"count": 0}, "config": config}}), "trainer")
-    assert both["command"] == ["python", "-m", "torch.distributed.run"] and both["args"][2] == "2"
+    both_config = {"alpha": "exact", "distill": {"enabled": True}}
+    both = container(objects({"trainer": {"procs": 2, "gpu": {"count": 0}, "config": both_config}}), "trainer")
+    assert both["args"][3:5] == ["--nproc-per-node", "2"]
 
 
 def test_generator_replicas_are_left_to_the_autoscaler():
@@ -405,3 +532,99 @@ def test_the_trainer_and_the_generators_start_on_the_one_model():
     # A component's own model_dir wins over the chart's (its TOML, which the environment would override).
     own = wiring({"generator": {"config": {"engine": {"model_dir": "/x"}}}})
     assert own["generator"][0] is None and own["trainer"][0] == "models/small"
+
+
+def test_several_nodes_run_as_one_jobset_with_rank_0_on_pod_0():
+    """trainer.nodes 2: one JobSet of 2 indexed pods, each the launcher of its ranks with node rank = its completion
+    index and the rendezvous at pod 0's stable name; the trainer Service selects pod 0 (global rank 0 serves); a setup
+    error (exit 2) fails the set at once, any other failure recreates every pod `restarts` times."""
+    import re
+
+    from sparrow_cli.main import build_parser
+
+    objs = objects(SEVERAL_NODES)
+    assert not find(objs, "StatefulSet", "trainer")
+    (jobset,) = find(objs, "JobSet", "trainer")
+    spec = jobset["spec"]
+    (replicated,) = spec["replicatedJobs"]
+    job = replicated["template"]["spec"]
+    pod = pod_template(jobset)
+    c = container(objs, "trainer")
+    args = c["args"]
+
+    def flag(name: str) -> str:
+        return args[args.index(name) + 1]
+
+    assert replicated["replicas"] == 1
+    assert (job["completionMode"], job["completions"], job["parallelism"]) == ("Indexed", 2, 2)
+    env = {e["name"]: e for e in c["env"]}
+    index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    assert env["SPARROW_DISTRIBUTED__NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == index
+    # Pod 0's name under the JobSet's DNS: <jobset>-<replicatedJob>-<job index>-<pod index>.<subdomain>.
+    network = spec["network"]
+    assert network["enableDNSHostnames"] is True
+    assert flag("--master-addr") == f"{jobset['metadata']['name']}-{replicated['name']}-0-0.{network['subdomain']}"
+    (service,) = find(objs, "Service", "trainer")
+    assert network["subdomain"] != service["metadata"]["name"]  # the JobSet makes a headless Service of that name
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert int(flag("--master-port")) == ports["rendezvous"] == 29500
+    # 4 GPUs a pod, 4 ranks a pod; restarts are the JobSet's, not each pod's launcher's.
+    assert (flag("--nnodes"), flag("--nproc-per-node"), flag("--max-restarts")) == ("2", "4", "0")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 4
+    parsed = build_parser().parse_args(args)
+    assert (parsed.nnodes, parsed.nproc_per_node, parsed.master_port) == (2, 4, 29500)
+    # Generators dial the Service, which selects pod 0 alone.
+    selector = dict(service["spec"]["selector"])
+    assert selector.pop("batch.kubernetes.io/job-completion-index") == "0"
+    assert selector.items() <= pod["metadata"]["labels"].items()
+    generator_env = {e["name"]: e.get("value") for e in container(objs, "generator")["env"]}
+    assert generator_env["SPARROW_TRAINER__ADDRESS"] == f"{service['metadata']['name']}:50051"
+    # Failures: exit 2 fails the Job by its pod failure policy, and that reason fails the set; any other pod failure
+    # fails the Job (no retry of one pod alone) and the JobSet recreates every pod.
+    assert job["backoffLimit"] == 0 and pod["spec"]["restartPolicy"] == "Never"
+    (pod_rule,) = job["podFailurePolicy"]["rules"]
+    assert pod_rule == {
+        "action": "FailJob",
+        "onExitCodes": {"containerName": c["name"], "operator": "In", "values": [2]},
+    }
+    (rule,) = spec["failurePolicy"]["rules"]
+    assert spec["failurePolicy"]["maxRestarts"] == 2
+    assert rule["action"] == "FailJobSet" and rule["onJobFailureReasons"] == ["PodFailurePolicy"]
+    # Only pod 0 serves: no probe on the others' ports; unprivileged like every workload.
+    assert not {"readinessProbe", "livenessProbe", "startupProbe"} & set(c)
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] and pod["spec"]["automountServiceAccountToken"] is False
+    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    # The run directory every node writes: one ReadWriteMany claim, kept past an uninstall; or the user's.
+    (claim,) = find(objs, "PersistentVolumeClaim", "trainer")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert volumes["run"]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts["run"] == "/var/lib/sparrow"
+    theirs = objects({"trainer": {"nodes": 3, "persistence": {"existingClaim": "shared-runs"}}})
+    assert not find(theirs, "PersistentVolumeClaim")
+    volumes = {v["name"]: v for v in pod_template(find(theirs, "JobSet")[0])["spec"]["volumes"]}
+    assert volumes["run"]["persistentVolumeClaim"]["claimName"] == "shared-runs"
+    # The trainer pods reach each other on every port (rendezvous, then gloo's or NCCL's own).
+    (policy,) = find(objs, "NetworkPolicy", "trainer")
+    (peers,) = [r for r in policy["spec"]["ingress"] if "ports" not in r]
+    (peer,) = peers["from"]
+    assert peer["podSelector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert all("ports" in r for r in find(objects(ALL_ON_KEDA), "NetworkPolicy", "trainer")[0]["spec"]["ingress"])
+    # The PodMonitor scrapes pod 0 of the trainer (and every pod of no indexed Job).
+    (monitor,) = find(objs, "PodMonitor")
+    (keep,) = monitor["spec"]["podMetricsEndpoints"][0]["relabelings"]
+    assert keep["sourceLabels"] == ["__meta_kubernetes_pod_label_batch_kubernetes_io_job_completion_index"]
+    assert keep["action"] == "keep"
+    assert [bool(re.fullmatch(keep["regex"], v)) for v in ("0", "", "1", "10")] == [True, True, False, False]
+    notes = render(SEVERAL_NODES)["sparrow/templates/NOTES.txt"]
+    assert "a JobSet of 2 pods x 4 rank(s)" in notes and flag("--master-addr") in notes
+
+
+def test_one_pod_can_mount_an_existing_claim():
+    objs = objects({"trainer": {"persistence": {"existingClaim": "runs"}}})
+    (trainer,) = find(objs, "StatefulSet", "trainer")
+    assert "volumeClaimTemplates" not in trainer["spec"]
+    volumes = {v["name"]: v for v in trainer["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["run"]["persistentVolumeClaim"]["claimName"] == "runs"

@@ -27,6 +27,8 @@ SCHEMA_CASES = [
     ({"redis": {"external": {"database": 16}}}, ["/redis/external/database"]),
     ({"trainer": {"procs": -1}}, ["/trainer/procs", "minimum"]),
     ({"trainer": {"restarts": "often"}}, ["/trainer/restarts", "integer"]),
+    ({"trainer": {"nodes": 0}}, ["/trainer/nodes", "minimum"]),
+    ({"trainer": {"rendezvousPort": 0}}, ["/trainer/rendezvousPort", "minimum"]),
 ]
 
 # Combinations a schema cannot express, refused by the templates with a one-line reason.
@@ -45,6 +47,13 @@ TEMPLATE_CASES = [
     ),
     ({"redis": {"enabled": False}}, "redis.external.host is required"),
     ({"trainer": {"procs": 2, "gpu": {"count": 4}}}, "trainer.procs 2 does not match trainer.gpu.count 4"),
+    # Several trainer nodes write one run directory: a ReadWriteOnce volume or an emptyDir cannot be it.
+    ({"trainer": {"nodes": 2}}, "trainer.nodes 2 needs a run directory every node mounts"),
+    ({"trainer": {"nodes": 2, "persistence": {"enabled": False}}}, "trainer.nodes 2 needs a run directory every node"),
+    (
+        {"trainer": {"nodes": 2, "procs": 2, "persistence": {"accessModes": ["ReadWriteMany"]}}},
+        "trainer.procs 2 does not match trainer.gpu.count 1",
+    ),
     (
         {"monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}}},
         "enable serviceMonitor or podMonitor, not both",
