@@ -8,7 +8,7 @@ broadcast) and carries it out:
     train       the step's batch (each rollout's tokens, rollout logprobs, top-k lists and budgets, and
                 the advantages): `trainer.rl_update.learn` on this rank's share -- dense scores (the old
                 logprobs), alpha and the update, the loss normalised by the global token count
-    publish     the gather of the full weights that rank 0 writes
+    publish     the gathers of the full weights, a tensor at a time, that rank 0 writes
     checkpoint  this rank's shards of the step's DCP checkpoint
     idle        nothing: rank 0 is waiting for rollouts, and says so well within the collective timeout
     stop        exit cleanly (rank 0 has checkpointed)
@@ -187,7 +187,7 @@ _LOST = "lost"
 def follow(config: TrainerServiceConfig) -> int:
     """A rank other than 0: build its shard, resume it, carry out rank 0's orders until stop. Returns the steps."""
     from services.trainer.checkpoint import CheckpointManager, TrainState
-    from services.trainer.weights import gather_policy_state
+    from services.trainer.weights import save_hf_policy
     from trainer.rl_update import learn
     from trainer.scoring import Scorer
 
@@ -214,7 +214,8 @@ def follow(config: TrainerServiceConfig) -> int:
             learn(model, optimizer, scorer, rollouts, advantages, update)
             steps += 1
         elif kind == PUBLISH:
-            gather_policy_state(model)  # the full tensors land on rank 0 only
+            dtype, shard_bytes = payload
+            save_hf_policy(model, None, config.model_dir, dtype, shard_bytes)  # rank 0 writes each gathered tensor
         elif kind == CHECKPOINT:
             checkpoints.save(model, optimizer, TrainState(run_id="", step=int(payload)))
         elif kind == STOP:
