@@ -1,6 +1,7 @@
-"""`sparrow trainer` under torchrun, 2 gloo ranks really running: rank 0 serves and publishes, rank 1 follows each
-step; a rank killed with SIGKILL ends the trainer within the collective timeout, and a restart resumes from the
-checkpoint with no group trained twice; a config that cannot run on the ranks asked for is one line, exit 2."""
+"""`sparrow trainer` under torchrun, 2 gloo ranks really running: rank 0 serves and publishes (each version a
+tensor at a time, over several files), rank 1 follows each step; a rank killed with SIGKILL ends the trainer within
+the collective timeout, and a restart resumes from the checkpoint with no group trained twice; a config that cannot
+run on the ranks asked for is one line, exit 2."""
 
 import json
 import os
@@ -50,6 +51,8 @@ every = 1
 keep = 2
 [distributed]
 timeout_s = {TIMEOUT_S}
+[weights]
+max_shard_bytes = 40000
 """
     )
 
@@ -122,6 +125,8 @@ def test_two_ranks_train_serve_and_publish_and_a_killed_rank_ends_the_trainer_in
     text = log.read_text()
     assert "rank 1 of 2 follows rank 0" in text and "rank 1 stops after 2 step(s)" in text
     assert generator.version > 2  # the generator loaded versions published from the ranks' shards
+    latest = max(run_dir.glob("policy/v*/model.safetensors.index.json"))  # each version written over several files
+    assert len(list(latest.parent.glob("model-*-of-*.safetensors"))) > 3
 
 
 @pytest.mark.parametrize(
