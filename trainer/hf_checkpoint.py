@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from trainer.model_io import ModelLoadError
+
 WEIGHTS_NAME = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 # safetensors' dtype codes, in the order its writer sorts a file's tensors (then by name): larger first.
@@ -53,8 +55,10 @@ _CODES = {
 _ORDER = {code: i for i, code in enumerate(_CODES.values())}
 
 
-class CheckpointLayoutError(ValueError):
-    """A model whose checkpoint cannot be written a tensor at a time (one line naming why)."""
+class CheckpointLayoutError(ModelLoadError):
+    """A model whose checkpoint cannot be written a tensor at a time (one line naming why).
+
+    A ModelLoadError: the trainer's first publish is part of its start, which ends on it in one line (exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,8 @@ def plan(model: torch.nn.Module, dtype: torch.dtype, max_shard_bytes: int) -> La
     for name, t in state.items():
         if name not in params or tuple(t.shape) != tuple(params[name].shape):
             raise CheckpointLayoutError(
-                f"{type(model).__name__} renames or fuses weights when saved ({name}): not written a tensor at a time"
+                f"{type(model).__name__}: transformers renames or fuses its weights when saving ({name}); "
+                "policies are published only from models saved as their parameters (dense Qwen3 and the like)"
             )
         if t.dtype not in _CODES:
             raise CheckpointLayoutError(f"{name}: dtype {t.dtype} has no safetensors code")

@@ -60,7 +60,7 @@ def test_dry_run_passes_every_phase_that_runs_without_a_gpu(tmp_path):
     # The phases' checks ran (a phase with no checks would read "ok" too).
     assert len(phases["kernels"]["checks"]) >= 10 and phases["decode"]["checks"]["failed_tests"]["value"] == 0
     assert len(phases["trainer_memory"]["checks"]) >= 8  # gradients and losses of both steps, two ways
-    published = {f"{case}_published_equals_cpu" for case in ("resident", "checkpoint", "offload")}
+    published = {f"{case}_published_equals_cpu" for case in ("resident", "offload")}
     assert published <= set(phases["trainer_memory"]["checks"])  # the sharded publishes were compared
     attention = phases["attention"]["checks"]
     assert {"dense_ours_vs_sdpa_max_rel", "full_budget_vs_dense_max_rel"} <= set(attention)

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 import trainer.hf_checkpoint as hf_checkpoint
 from trainer.hf_checkpoint import INDEX_NAME, plan, save_config, write_checkpoint
-from trainer.model_io import load_model
+from trainer.model_io import ModelLoadError, load_model
 
 ONE_FILE, SEVERAL = 50 * 10**9, 6000  # save_pretrained's default; a tiny model then spans about 20 files
 
@@ -129,3 +129,26 @@ def _names(folder):
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), framework="pt") as st:
             yield from st.keys()
+
+
+def test_a_model_whose_weights_transformers_fuses_on_save_is_refused_in_one_line():
+    """Proves: a model saved under other names than its parameters (Qwen3-MoE's fused experts, split per expert
+    on save) is refused before any gather with a ModelLoadError naming a tensor, never written wrongly."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    shape = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=2,
+        num_experts_per_tok=1,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape))
+    with pytest.raises(ModelLoadError, match=r"^Qwen3MoeForCausalLM: transformers renames or fuses .*experts") as err:
+        plan(model, torch.bfloat16, ONE_FILE)
+    assert "\n" not in str(err.value)
