@@ -38,8 +38,10 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
   trainer_memory  two FSDP2 bf16 update steps of a Qwen3-0.6B-shaped model (8 layers, 151,936
               vocabulary) on four 4K rollouts: resident vs per-layer activation checkpointing vs
               checkpointing and CPU offload of the shards and AdamW state; gradients agree, the
-              offloaded state is on the CPU, peak GPU memory falls at each (bench/cuda_trainer_memory.py);
-              then one step on a 16K-token rollout, chunked vs full LM head: peak GPU memory, tokens/s,
+              offloaded state is on the CPU, peak GPU memory falls at each; the resident and the
+              offloaded model published a tensor at a time (cast on the GPU, or on the host) equal
+              byte for byte a CPU publish of the same weights (bench/cuda_trainer_memory.py); then one
+              step on a 16K-token rollout, chunked vs full LM head: peak GPU memory, tokens/s,
               logprobs and loss agree (bench/cuda_trainer_head.py)
   parity      (vLLM) stock vLLM (TRITON_ATTN) vs the plugin, float32, greedy, a random Qwen3 with
               head_dim 128: sampled-token logprobs over the common prefix within 2e-2 at a budget
@@ -78,7 +80,7 @@ PHASES = [
     ("decode", 130),
     ("attention", 75),
     ("model", 120),
-    ("trainer_memory", 55),
+    ("trainer_memory", 59),  # the steps, two publishes and a CPU one to compare, the 16K step with either head
     ("parity", 240),
     ("throughput", 330),
 ]

@@ -9,15 +9,19 @@ NCCL group and trains two `trainer.rl_update.learn` steps on four 4K-token rollo
     offload      checkpointed and FSDP2's CPU offload ([trainer.memory] cpu_offload): shards,
                  gradients and optimizer state in pinned host memory, the optimizer on the CPU
 
+Before the steps, the resident and the offloaded model are published as the trainer publishes
+(trainer/hf_checkpoint.py: every tensor cast to bf16 where its shard lies, on the GPU or on the
+host, then gathered and written), and each folder must equal byte for byte the one a plain model
+on the CPU writes from the same weights. Checks: the gradients of each step (gathered right before
+the optimizer step) agree between the three within bf16's tolerance (relative to their norm), the
+losses too; the offloaded parameters and optimizer state are on the CPU; the peak GPU memory
+(torch.cuda.max_memory_allocated over the steps) of `checkpoint` is below `resident`'s and
+`offload`'s below `checkpoint`'s. Figures: peak GiB and tokens/s of each. The dry run (CPU, gloo,
+a tiny shape) rehearses the same code without the offload (pinned memory needs a GPU) and without
+the memory checks.
+
 Then one step on one 16K-token rollout with the chunked LM head against the full one
 (bench/cuda_trainer_head.py: peak memory, tokens/s, agreement).
-
-Checks: the gradients of each step (gathered right before the optimizer step) agree between the
-three within bf16's tolerance (relative to their norm), the losses too; the offloaded parameters
-and optimizer state are on the CPU; the peak GPU memory (torch.cuda.max_memory_allocated over the
-steps) of `checkpoint` is below `resident`'s and `offload`'s below `checkpoint`'s. Figures: peak
-GiB and tokens/s of each. The dry run (CPU, gloo, a tiny shape) rehearses the same code without
-the offload (pinned memory needs a GPU) and without the memory checks.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 GRAD_TOL = {"float32": 1e-5, "bfloat16": 3e-2}
+PUBLISH_SHARD_BYTES = 200 << 20  # several files, the embedding alone in one
 
 
 def _free_port() -> int:
@@ -91,12 +96,15 @@ def run(rec, device: str, dry: bool) -> None:
         )
         for case, checkpoint, offload in (("resident", False, False), ("checkpoint", True, False),
                                           ("offload", True, not dry)):  # fmt: skip
-            results[case] = _case(Path(tmp), device, getattr(torch, dtype), checkpoint, offload, rollouts)
+            # Publishing does not depend on activation checkpointing: the GPU and the offloaded host are the cases.
+            published = None if case == "checkpoint" else Path(tmp) / f"published-{case}"
+            results[case] = _case(Path(tmp), device, getattr(torch, dtype), checkpoint, offload, rollouts, published)
             gc.collect()  # the case's model, optimizer and their hooks, before the next case measures
             if device == "cuda":
                 torch.cuda.empty_cache()
             rec[case] = {k: v for k, v in results[case].items() if k != "grads"}
-        # One step at 16K tokens, chunked vs full LM head (bench/cuda_trainer_head.py), on the same model.
+        _check_published(rec, Path(tmp), ["resident", "offload"])
+        # Then one step at 16K tokens, chunked vs full LM head (bench/cuda_trainer_head.py), on the same model.
         from bench.cuda_trainer_head import run as head_run
 
         head_run(rec, Path(tmp), device, dtype, shape["vocab_size"], 256 if dry else 16384, prompt)
@@ -116,11 +124,30 @@ def run(rec, device: str, dry: bool) -> None:
     rec.check("offload_peak_below_checkpoint", off["peak_gib"] / results["checkpoint"]["peak_gib"], 0.9)
 
 
-def _case(folder: Path, device: str, dtype, checkpoint: bool, offload: bool, rollouts) -> dict:
+def _check_published(rec, folder: Path, cases: list[str]) -> None:
+    """Each case's published folder against the one a plain model on the CPU writes (file names and bytes)."""
+    import torch
+
+    from trainer.hf_checkpoint import write_checkpoint
+    from trainer.model_io import load_model
+
+    reference = folder / "published-cpu"
+    reference.mkdir()
+    write_checkpoint(load_model(folder), reference, torch.bfloat16, PUBLISH_SHARD_BYTES)
+    names = sorted(p.name for p in reference.iterdir())
+    for case in cases:
+        ours = folder / f"published-{case}"
+        same = sorted(p.name for p in ours.iterdir()) == names
+        same = same and all((ours / n).read_bytes() == (reference / n).read_bytes() for n in names)
+        rec.check(f"{case}_published_equals_cpu", 0.0, 0.0, ok=same)
+
+
+def _case(folder: Path, device: str, dtype, checkpoint: bool, offload: bool, rollouts, published: Path | None) -> dict:
     import torch
 
     from trainer import distributed
     from trainer.activation_checkpoint import checkpoint_layers
+    from trainer.hf_checkpoint import write_checkpoint
     from trainer.model_io import load_model
     from trainer.rl_update import UpdateConfig, learn
     from trainer.scoring import Scorer
@@ -129,6 +156,9 @@ def _case(folder: Path, device: str, dtype, checkpoint: bool, offload: bool, rol
     if checkpoint:
         checkpoint_layers(model)
     distributed.shard(model, None if dtype == torch.float32 else dtype, cpu_offload=offload)
+    if published is not None:
+        published.mkdir()
+        write_checkpoint(model, published, torch.bfloat16, PUBLISH_SHARD_BYTES)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     cuda = device == "cuda"
     grads: list[dict[str, torch.Tensor]] = []

@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 
 from services.common.grpc_server import GrpcSecurity
+from services.trainer.weights import DEFAULT_SHARD_BYTES
 from sparrow.config import ConfigSection, SparrowConfig
 from sparrow.schedule import DEFAULT_BIN_WIDTH
 
@@ -202,6 +203,13 @@ class WeightsConfig(ConfigSection):
         "auto",
         description="Dtype versions are published in: the one the engines serve (auto: the model folder's config "
         "dtype, bf16 for a Qwen3 checkpoint). The trainer's master weights stay fp32.",
+    )
+    max_shard_bytes: int = Field(
+        DEFAULT_SHARD_BYTES,
+        ge=1 << 10,
+        description="Largest .safetensors file of a published version, split as HF splits checkpoints (a tensor "
+        "above it gets a file of its own; several files come with model.safetensors.index.json). 5 GB, the hub's "
+        "usual split: Qwen3-8B in bf16 goes out as 4 files, Qwen3-0.6B as one.",
     )
     deltas: bool = Field(
         True, description="Also publish each version as a delta against the previous one (when under half its size)."

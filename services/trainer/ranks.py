@@ -10,7 +10,7 @@ broadcast) and carries it out:
                 this rank's share -- dense scores (the old logprobs), alpha (exact too with
                 alpha = "exact") and the update, the loss normalised by the global token count -- then,
                 with DistillSparse, the adapter's step on its share (probe included when due)
-    publish     the gather of the full weights that rank 0 writes
+    publish     the gathers of the full weights, a tensor at a time, that rank 0 writes
     checkpoint  this rank's shards of the step's DCP checkpoint (and the adapter, whole on every rank)
     idle        nothing: rank 0 is waiting for rollouts, and says so well within the collective timeout
     stop        exit cleanly (rank 0 has checkpointed)
@@ -234,7 +234,7 @@ def follow(config: TrainerServiceConfig) -> int:
 
     from services.trainer.checkpoint import CheckpointManager, TrainState
     from services.trainer.distill_step import CHECKPOINT_PART, StepRule, fallback_rule
-    from services.trainer.weights import gather_policy_state
+    from services.trainer.weights import save_hf_policy
     from trainer.rl_update import learn
     from trainer.scoring import Scorer
 
@@ -270,7 +270,8 @@ def follow(config: TrainerServiceConfig) -> int:
                 distill.run(order.step, order.rollouts, order.advantages)
             steps += 1
         elif kind == PUBLISH:
-            gather_policy_state(model)  # the full tensors land on rank 0 only
+            dtype, shard_bytes = payload
+            save_hf_policy(model, None, config.model_dir, dtype, shard_bytes)  # rank 0 writes each gathered tensor
         elif kind == CHECKPOINT:
             checkpoints.save(model, optimizer, TrainState(run_id="", step=int(payload)), parts)
         elif kind == STOP:

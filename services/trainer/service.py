@@ -32,8 +32,8 @@ from services.trainer.policy_sync import PolicySyncStore, publish_policy
 from services.trainer.ranks import CHECKPOINT, PUBLISH, STOP
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.validate import Limits
-from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
-from sparrow.weight_delta import SERVING_DTYPES, cast_state, checkpoint_dtype
+from services.trainer.weights import POLICY, WeightStore, save_hf_policy
+from sparrow.weight_delta import checkpoint_dtype
 
 if TYPE_CHECKING:
     from services.api.sparrow.v1 import rollout_pb2
@@ -206,15 +206,15 @@ class TrainerService:
         self.publish(version)
 
     def publish(self, version: int) -> None:
-        """Publish the current policy as `version` (every rank gathers; this one process writes)."""
-        self.leader.order(PUBLISH)
-        state = cast_state(gather_policy_state(self.model), SERVING_DTYPES[self.serving_dtype])
+        """Publish the current policy as `version`: every rank gathers each tensor in turn, this one writes it."""
+        dtype, shard_bytes = self.serving_dtype, self.config.weights.max_shard_bytes
+        self.leader.order(PUBLISH, (dtype, shard_bytes))  # the other ranks walk the same layout
         publish_policy(
             self.weights,
             self.sync,
             version,
-            lambda out: save_hf_policy(self.model, state, out, self.config.model_dir),
-            self.serving_dtype,
+            lambda out: save_hf_policy(self.model, out, self.config.model_dir, dtype, shard_bytes),
+            dtype,
         )
         self.state.policy_version = version
         self.metrics.policy_version.set(version)

@@ -1,6 +1,7 @@
 """Published policy versions and LoRA adapters on disk, each a folder with a manifest beside it.
 
-    run_dir/policy/v00000003/          model.safetensors, config.json, tokenizer files ...
+    run_dir/policy/v00000003/          model.safetensors (or model-0000i-of-0000n.safetensors and their
+                                       index), config.json, tokenizer files ...
     run_dir/policy/v00000003.json      {"version", "files": [{"path", "size_bytes", "sha256"}], ...}
     run_dir/adapters/v00000001/ (+ .json, with lora_rank and lora_target_modules)
 
@@ -33,6 +34,8 @@ from services.trainer.store import fsync_dir, replace_text
 log = logging.getLogger("sparrow.trainer.weights")
 
 POLICY, ADAPTER = "policy", "adapters"
+# Files of at most this many bytes (HF's decimal GB, the hub's usual split): Qwen3-8B in bf16 goes out as 4.
+DEFAULT_SHARD_BYTES = 5 * 10**9
 _VERSION_DIR = re.compile(r"^v(\d{8,})$")
 _HASH_BLOCK = 1 << 20
 # Files a generator needs beside the weights to load the policy the way the trainer does: every tokenizer
@@ -296,19 +299,22 @@ class WeightStore:
         self._notify()
 
 
-def gather_policy_state(model) -> dict:
-    """The policy's whole state dict on the CPU: every rank calls it (under FSDP2 it is a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def save_hf_policy(
+    model, out: Path | None, model_dir: str | Path, dtype: str, max_shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> None:
+    """Write the policy in HF format into `out`: safetensors files in `dtype` (a serving dtype name, e.g.
+    "bfloat16"), config, and the tokenizer files of `model_dir`.
 
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_hf_policy(model, state: dict, out: Path, model_dir: str | Path) -> None:
-    """Write `state` in HF format (safetensors, config) into `out`, with the tokenizer files of `model_dir`.
-
-    Rank 0's job under torch.distributed; `model` only supplies the config and the save logic.
+    Every rank calls it (under FSDP2 each tensor is gathered in turn, trainer/hf_checkpoint.py); only
+    the rank given an `out` writes, the others pass None. The whole model is never in one process's memory.
     """
-    model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    from sparrow.weight_delta import SERVING_DTYPES
+    from trainer.hf_checkpoint import save_config, write_checkpoint
+
+    write_checkpoint(model, out, SERVING_DTYPES[dtype], max_shard_bytes)
+    if out is None:
+        return
+    save_config(model, out)
     for name in MODEL_SIDE_FILES:
         src = Path(model_dir) / name
         if src.is_file() and not (out / name).exists():

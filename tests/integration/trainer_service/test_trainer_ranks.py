@@ -1,5 +1,6 @@
 """`sparrow trainer` over 2 gloo ranks really running, started by a user's own torchrun and by `sparrow trainer
---nproc-per-node 2` itself: rank 0 serves and publishes, rank 1 follows each step; a rank killed with SIGKILL ends the
+--nproc-per-node 2` itself: rank 0 serves and publishes (each version a
+tensor at a time, over several files), rank 1 follows each step; a rank killed with SIGKILL ends the
 trainer within the collective timeout, a restart resumes from the checkpoint with no group trained twice, and SIGTERM
 to the launcher stops the ranks after their checkpoint with exit 0; DistillSparse with exact alpha trains on both
 ranks, its adapter is published, fetched and loaded by a generator's engine, and a restart resumes it. What cannot run
@@ -61,6 +62,8 @@ keep = 2
 [distributed]
 timeout_s = {TIMEOUT_S}
 stop_grace_s = {STOP_GRACE_S}
+[weights]
+max_shard_bytes = 40000
 {tables}
 """
     )
@@ -152,6 +155,8 @@ def test_two_ranks_train_serve_and_publish_and_a_killed_rank_ends_the_trainer_in
     assert "SIGTERM: passing it on to 2 trainer process(es)" in text
     assert re.search(rf"rank 1 stops after {final.step - at_kill.step} step\(s\)", text), text[-3000:]
     assert generator.version > 2  # the generator loaded versions published from the ranks' shards
+    latest = max(run_dir.glob("policy/v*/model.safetensors.index.json"))  # each version written over several files
+    assert len(list(latest.parent.glob("model-*-of-*.safetensors"))) > 3
 
 
 DISTILL = """[distill]

@@ -14,7 +14,7 @@ from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
 from services.common.aio_server import AioServer
 from services.common.grpc_server import GrpcSecurity, open_channel
 from services.trainer.weight_servicer import WeightServicer
-from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+from services.trainer.weights import POLICY, WeightStore, save_hf_policy
 from tests.integration.trainer_service.helpers import TINY, fetch_policy
 from trainer.model_io import load_model
 
@@ -29,8 +29,7 @@ def served(tmp_path):
         changed.model.embed_tokens.weight.add_(0.5)
     store = WeightStore(tmp_path / "run", keep=2)
     for version, model in ((1, base), (2, changed)):
-        state = gather_policy_state(model)
-        store.publish(POLICY, version, lambda out, m=model, s=state: save_hf_policy(m, s, out, TINY))
+        store.publish(POLICY, version, lambda out, m=model: save_hf_policy(m, out, TINY, "float32"))
     server = AioServer(GrpcSecurity(), max_calls=64)
     weights_pb2_grpc.add_WeightServiceServicer_to_server(WeightServicer(store, 16 << 10, MAX_CHUNK), server.server)
     server.add_health_and_reflection(["sparrow.v1.WeightService"])

@@ -65,6 +65,8 @@ def test_dry_run_passes_every_phase_that_runs_without_a_gpu(tmp_path):
     assert {"head_16k_loss_chunked_vs_full", "head_16k_logprobs_chunked_vs_full_max_abs"} <= set(
         phases["trainer_memory"]["checks"]
     )
+    published = {f"{case}_published_equals_cpu" for case in ("resident", "offload")}
+    assert published <= set(phases["trainer_memory"]["checks"])  # the sharded publishes were compared
     attention = phases["attention"]["checks"]
     assert {"dense_ours_vs_sdpa_max_rel", "full_budget_vs_dense_max_rel"} <= set(attention)
     assert phases["decode"]["tests"], "the decode tests were not collected"

@@ -46,14 +46,13 @@ def test_refusals_are_one_line(qwen3, args, fragment):
 
 
 def test_bench_heldout_on_a_user_model_run(qwen3, tmp_path):
-    from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+    from services.trainer.weights import POLICY, WeightStore, save_hf_policy
     from trainer.model_io import load_model
 
     model = load_model(qwen3)
     store = WeightStore(tmp_path / "run" / "trainer", keep=3)
     for version in (1, 2):
-        state = gather_policy_state(model)
-        store.publish(POLICY, version, lambda out, s=state: save_hf_policy(model, s, out, qwen3))
+        store.publish(POLICY, version, lambda out: save_hf_policy(model, out, qwen3, "float32"))
     store.close()
     data = tmp_path / "test.parquet"
     rows = [{"prompt": f"What is {i} + 1?", "answer": i + 1} for i in range(2)]

@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from services.trainer.weights import POLICY, WeightStore, gather_policy_state, save_hf_policy
+from services.trainer.weights import POLICY, WeightStore, save_hf_policy
 from tests.cli_runner import sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from trainer.model_io import load_model
@@ -21,8 +21,7 @@ def _run_dir(tmp_path, template_file):
     for version in (1, 2):
         with torch.no_grad():
             model.model.norm.weight.add_(1.0)  # a "step"
-        state = gather_policy_state(model)
-        store.publish(POLICY, version, lambda out, s=state: save_hf_policy(model, s, out, model_dir))
+        store.publish(POLICY, version, lambda out: save_hf_policy(model, out, model_dir, "float32"))
     store.close()
     return run, model_dir, model
 

@@ -6,10 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.generator.weight_checks import check_policy, checkpoint_layout
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.service import TrainerService
 from sparrow.config import load_config
 from sparrow.weight_delta import DELTA_FILE, apply_delta, folder_digest, folder_tensors
+from trainer.hf_checkpoint import INDEX_NAME
+from trainer.model_io import load_model
 
 TINY = Path(__file__).resolve().parents[3] / "models" / "tiny"
 
@@ -54,6 +57,27 @@ def test_records_follow_the_published_versions(tmp_path):
         service.publish(v)
     assert service.sync.record(1) is service.sync.record(2) is None
     assert service.sync.record(3) is not None and service.sync.record(4).delta_base_version == 3
+
+
+def test_a_version_over_several_files_has_its_index_digest_and_delta_and_fits_the_model_it_came_from(tmp_path):
+    """Proves: with a small `weights.max_shard_bytes` a version is several files and an index that loads back
+    as the trainer's model in bf16; its digest and its delta (file by file) rebuild it; and its tensors are the
+    model folder's, so a generator started from that folder takes it (the tied head goes out once, in bf16 too)."""
+    service = _service(tmp_path, dtype="bfloat16", max_shard_bytes=20_000)
+    v1 = service.weights.folder("policy", 1)
+    files = sorted(p.name for p in v1.glob("*.safetensors"))
+    assert len(files) > 3 and (v1 / INDEX_NAME).is_file() and not (v1 / "model.safetensors").exists()
+    check_policy(v1, checkpoint_layout(TINY), 1)
+    with torch.no_grad():
+        service.model.model.norm.weight.add_(0.5)  # one tensor moves: the delta names one file's tensor
+    service.publish(2)
+    v2, record = service.weights.folder("policy", 2), service.sync.record(2)
+    assert sorted(p.name for p in v2.glob("*.safetensors")) == files
+    assert record.result_sha256 == folder_digest(v2) and record.delta_base_version == 1
+    rebuilt, delta = tmp_path / "rebuilt", service.sync.delta_folder(2) / DELTA_FILE
+    assert apply_delta(v1, delta, rebuilt, record.result_sha256) == folder_digest(v2)
+    held = {n: p.detach().to(torch.bfloat16).float() for n, p in service.model.state_dict().items()}
+    assert all(torch.equal(t, held[n]) for n, t in load_model(rebuilt).state_dict().items())
 
 
 @pytest.mark.parametrize("bad", ["int8", "fp8"])
