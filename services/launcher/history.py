@@ -231,8 +231,20 @@ def _delta(now: float, before: float) -> float:
 
 def read_history(run_dir: Path) -> list[dict]:
     """The step rows of a run's metrics history (a torn last line, or any line that is not a step record, is
-    skipped; evaluation rows are `read_eval_history`'s)."""
-    return [row for row in _rows(run_dir) if row.get("kind") is None]
+    skipped; evaluation rows are `read_eval_history`'s).
+
+    A trainer that resumes from a checkpoint older than its last step trains those steps again (paced
+    checkpoints are not taken every step): the file keeps every row, and the history is the run as it
+    stands, each step's last training, the rows it superseded left out.
+    """
+    rows: list[dict] = []
+    for row in _rows(run_dir):
+        if row.get("kind") is not None:
+            continue
+        while rows and rows[-1]["step"] >= row["step"]:
+            rows.pop()
+        rows.append(row)
+    return rows
 
 
 def read_eval_history(run_dir: Path) -> list[dict]:

@@ -182,3 +182,16 @@ def test_a_round_dense_and_under_the_schedule_gets_a_row_per_mode_with_the_gap(t
     assert [(r["round"], r["mode"], r["dense"]) for r in rows] == [(0, "dense", True), (0, "schedule", False),
                                                                     (1, "schedule", False)]  # fmt: skip
     assert "dense_gap" not in rows[0] and rows[1]["dense_gap"] == gap and "dense_gap" not in rows[2]
+
+
+def test_steps_trained_again_after_a_resume_replace_the_rows_they_superseded(tmp_path):
+    """Steps 1-3, a crash, a resume from step 1's checkpoint: steps 2 and 3 again. Every row stays in the file; the
+    history is the run as it stands (steps 1, 2, 3 once each, the second trainings')."""
+    history = _history(tmp_path, {})
+    lines = [_step(1), _step(2), _step(3), _step(2, p5=0.5), _step(3, p5=0.5)]
+    history.sources.steps_file.write_text("".join(json.dumps(s) + "\n" for s in lines))
+    history.poll()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+    rows = read_history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["p5"] for r in rows] == [{"0": 0.9}, {"0": 0.5}, {"0": 0.5}]
