@@ -60,7 +60,7 @@ class History:
         self.eval_rows: list[dict] = []
         self._last: dict[str, GeneratorSample] = {}
         self._last_time = time.monotonic()
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # the run as it stands: each step's last training (`supersede`)
         self.generator_versions: dict[str, int] = {}  # newest policy version each generator served
 
     def poll(self) -> list[dict]:
@@ -87,7 +87,8 @@ class History:
         with self.path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        self.rows += rows
+        for row in rows:
+            supersede(self.rows, row)
         return rows
 
     def sample_generators(self) -> dict[str, int]:
@@ -239,12 +240,16 @@ def read_history(run_dir: Path) -> list[dict]:
     """
     rows: list[dict] = []
     for row in _rows(run_dir):
-        if row.get("kind") is not None:
-            continue
-        while rows and rows[-1]["step"] >= row["step"]:
-            rows.pop()
-        rows.append(row)
+        if row.get("kind") is None:
+            supersede(rows, row)
     return rows
+
+
+def supersede(rows: list[dict], row: dict) -> None:
+    """Append step `row` to `rows`, dropping the rows of its step and later ones that a resume trained again."""
+    while rows and rows[-1]["step"] >= row["step"]:
+        rows.pop()
+    rows.append(row)
 
 
 def read_eval_history(run_dir: Path) -> list[dict]:

@@ -61,6 +61,9 @@ def test_user_model_data_reward_eval_and_export(tmp_path):
     config.write_text(
         "[timeouts]\nstart_s = 400\nstep_s = 400\nstop_grace_s = 15\n"
         "[trainer]\ngroups_per_step = 2\n"
+        # A checkpoint after every step: the last one comes before the last eval round, whose groups then stay
+        # in groups.log for the checks below (a checkpoint compacts the evaluated groups out of it).
+        "[trainer.checkpoint]\nevery = 1\n"
         "[trainer.data]\nchat_template_kwargs = { enable_thinking = false }\n"
         "[trainer.sampling]\nn = 4\nmax_new_tokens = 16\n"
         '[trainer.eval]\nevery = 2\nk = 2\nmodes = ["dense", "schedule"]\n'

@@ -192,6 +192,7 @@ def test_steps_trained_again_after_a_resume_replace_the_rows_they_superseded(tmp
     history.sources.steps_file.write_text("".join(json.dumps(s) + "\n" for s in lines))
     history.poll()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+    assert [r["step"] for r in history.rows] == [1, 2, 3]  # what the live view and the summary count
     rows = read_history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["p5"] for r in rows] == [{"0": 0.9}, {"0": 0.5}, {"0": 0.5}]
