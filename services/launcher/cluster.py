@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.exits import describe_exit
+
 log = logging.getLogger("sparrow.up.cluster")
 
 PROCESSES_FILE = "processes.json"
@@ -74,16 +76,6 @@ class Child:
             return self.spec.log.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
-
-
-def describe_exit(code: int) -> str:
-    """'exit 1' or 'signal SIGKILL'."""
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}"
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec

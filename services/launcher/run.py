@@ -27,8 +27,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from services.common.exits import describe_exit
 from services.launcher.accounting import WORK_FILE, account
-from services.launcher.cluster import Cluster, StartError, describe_exit
+from services.launcher.cluster import Cluster, StartError
 from services.launcher.config import UpConfig
 from services.launcher.eval_report import EVALS_FILE, read_evals
 from services.launcher.history import STEPS_FILE, History, HistorySources

@@ -33,6 +33,7 @@ import sys
 import threading
 import uuid
 
+from services.common.exits import describe_exit, first_line
 from services.trainer.config import TrainerServiceConfig
 
 log = logging.getLogger("sparrow.trainer.launch")
@@ -107,7 +108,7 @@ class Launcher:
             if not failures:
                 log.info("every trainer process on this node finished")
                 return 0
-            described = ", ".join(f"rank {r}: {_describe(code)}" for r, code in sorted(failures.items()))
+            described = ", ".join(f"rank {r}: {describe_exit(code)}" for r, code in sorted(failures.items()))
             if SETUP_ERROR in failures.values():
                 log.error("trainer processes stopped with a setup error (%s); not started again", described)
                 return SETUP_ERROR
@@ -161,7 +162,7 @@ class Launcher:
         try:
             result = agent.run()
         except Exception as exc:  # the rendezvous: node 0 unreachable, the others not there in join_timeout_s
-            log.error("the trainer processes did not start: %s", _first_line(exc))
+            log.error("the trainer processes did not start: %s", first_line(exc))
             return {-1: 1}
         finally:
             self._agent = None
@@ -210,11 +211,6 @@ def _ignore(_signum: int, _frame) -> None:
     pass
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
     # Each rank leads a session of its own (the agent starts it so): its group holds what it started too.
     for pid in pids:
@@ -232,12 +228,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _describe(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit {code}"

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.common.exits import first_line
 from services.trainer.config import TrainerServiceConfig
 from trainer import distributed
 
@@ -127,13 +128,11 @@ def build_distill(
 ) -> DistillStep:
     """The DistillSparse step over `model` (its adapter seeded by the config: the same on every rank)."""
     from services.trainer.distill_step import DistillStep
-    from trainer.grpo import GRPOConfig
 
-    g = config.grpo
-    grpo = GRPOConfig(clip_low=g.clip_low, clip_high=g.clip_high, tis_cap=g.tis_cap)
     return DistillStep(
-        config.distill, model, registry, grpo, config.sampling.temperature, config.metrics.bin_width,
-        config.metrics.num_bins, rule, lm_head_chunk=config.optim.lm_head_chunk, dtype=getattr(torch, config.dtype),
+        config.distill, model, registry, update_config(config).grpo, config.sampling.temperature,
+        config.metrics.bin_width, config.metrics.num_bins, rule, lm_head_chunk=config.optim.lm_head_chunk,
+        dtype=getattr(torch, config.dtype),
     )  # fmt: skip
 
 
@@ -192,13 +191,8 @@ class Leader:
                         return
                     distributed.broadcast_object((IDLE, None), group=self.group)
             except Exception as exc:  # a rank is gone: the step's next collective fails on it too
-                log.error("a rank no longer takes orders (%s); the trainer ends at its next step", _first_line(exc))
+                log.error("a rank no longer takes orders (%s); the trainer ends at its next step", first_line(exc))
                 return
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 class _Orders:
@@ -214,7 +208,7 @@ class _Orders:
             try:
                 kind, payload = distributed.broadcast_object(None, group=self.group)
             except Exception as exc:  # rank 0 is gone (or silent past the timeout)
-                self.queue.put((_LOST, _first_line(exc)))
+                self.queue.put((_LOST, first_line(exc)))
                 return
             if kind != IDLE:
                 self.queue.put((kind, payload))
