@@ -3,7 +3,8 @@
 Values come from, lowest precedence first: field defaults, a TOML file, environment variables
 (`SPARROW_` prefix, `__` between nesting levels: `SPARROW_TRAINER__LR=1e-5`), then explicit
 overrides (command-line flags, dotted keys allowed: `{"trainer.lr": 1e-5}`). Unknown keys in a file
-or in overrides are errors; every field must carry a description (Field(description=...) or a
+or in overrides are errors; in the environment, which every process of a deployment shares, they are
+another process's and are left alone; every field must carry a description (Field(description=...) or a
 docstring under it), checked when the class is defined.
 
     class TrainerConfig(SparrowConfig):
@@ -65,6 +66,13 @@ class SparrowConfig(BaseSettings):
         super().__pydantic_init_subclass__(**kwargs)
         _require_descriptions(cls)
 
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ):
+        """Arguments, then this config's own SPARROW_* variables (`_OwnEnv`); no .env or secrets files."""
+        return init_settings, _OwnEnv(settings_cls)
+
     def dump(self) -> str:
         """The resolved config as one line of JSON, for the log at start (secrets come out masked)."""
         return json.dumps(self.model_dump(mode="json"), sort_keys=True)
@@ -99,9 +107,18 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: malformed TOML: {exc}") from None
 
 
+class _OwnEnv(EnvSettingsSource):
+    """The SPARROW_* variables this config has fields for. Every process of a deployment reads one
+    environment: a variable meant for another service's section (SPARROW_API__TOKEN for the
+    controller's `api.token`) is not this one's to refuse."""
+
+    def __call__(self) -> dict[str, Any]:
+        return _known_only(self.settings_cls, super().__call__())
+
+
 def _read_env(cls: type[SparrowConfig]) -> dict[str, Any]:
     try:
-        return EnvSettingsSource(cls)()
+        return _OwnEnv(cls)()
     except SettingsError as exc:  # a section given whole (SPARROW_OPTIM='{...}') must be JSON
         field = re.search(r'field "([^"]+)"', str(exc))
         name = f"{cls.model_config.get('env_prefix', '')}{field.group(1).upper()}" if field else "a SPARROW_ variable"
@@ -150,6 +167,18 @@ def _check_keys(model: type[BaseModel], data: dict[str, Any], where: str, prefix
         section = _section_type(info.annotation)
         if section is not None and isinstance(value, dict):
             _check_keys(section, value, where, f"{prefix}{key}.")
+
+
+def _known_only(model: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` less the keys, at any depth, that `model` has no field for."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        info = model.model_fields.get(key)
+        if info is None:
+            continue
+        section = _section_type(info.annotation)
+        out[key] = _known_only(section, value) if section is not None and isinstance(value, dict) else value
+    return out
 
 
 def _first_error(exc: ValidationError) -> str:

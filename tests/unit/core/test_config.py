@@ -117,3 +117,15 @@ def test_every_field_needs_a_description():
 
         class BadSection(ConfigSection):
             x: int = 1
+
+
+def test_a_variable_meant_for_another_service_never_stops_this_one(monkeypatch):
+    """One environment for every service: the controller's SPARROW_API__TOKEN (a section this config does not
+    have) and a key another service's `optim` has are left alone; this config's own variables still apply."""
+    monkeypatch.setenv("SPARROW_API__TOKEN", "for-the-controller")
+    monkeypatch.setenv("SPARROW_OPTIM__MOMENTUM", "0.9")
+    monkeypatch.setenv("SPARROW_OPTIM__LR", "0.3")
+    c = load_config(Demo)
+    assert c.optim.lr == 0.3 and not hasattr(c, "api")
+    with pytest.raises(ConfigError, match="unknown config key 'optim.momentum' in overrides"):
+        load_config(Demo, overrides={"optim.momentum": 0.9})  # a flag, unlike the environment, is this one's
