@@ -3,11 +3,22 @@
 Triton decides at decoration time whether a kernel is compiled or interpreted, so the interpreter
 switch must be set before any `kernels` module is imported: on machines without a CUDA GPU every
 Triton kernel runs in the interpreter (float32 only; bf16 is broken there).
+
+One OpenMP thread for the test process and every process it starts, set before torch loads OpenMP:
+`torch.set_num_threads(1)` holds only for the thread that calls it, and a service running in a thread
+of a test (a trainer, a stand-in generator) would otherwise use a pool as wide as the machine, whose
+threads spin at every barrier; on a busy 2-core machine that made a stand-in generator's 4 samples of
+40 tokens take more than 240 s (it took 30 s with one thread on the same load). Tests measure
+behaviour, not speed: `sparrow bench` sets its own threads.
 """
 
 import os
 
-import torch
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

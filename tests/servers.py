@@ -62,8 +62,15 @@ class Server:
             return ""
 
 
-def wait_until(check: Callable[[], bool], timeout: float, what: str, server: Server | None = None) -> None:
-    """Poll `check` every 0.1 s until it is true; fail naming `what` (and the server's log) after `timeout`."""
+def wait_until(
+    check: Callable[[], bool],
+    timeout: float,
+    what: str,
+    server: Server | None = None,
+    explain: Callable[[], str] | None = None,
+) -> None:
+    """Poll `check` every 0.1 s until it is true; fail naming `what` (and the server's log, and what `explain`
+    says of the state it was in) after `timeout`."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server is not None and server.process.poll() is not None:
@@ -75,7 +82,8 @@ def wait_until(check: Callable[[], bool], timeout: float, what: str, server: Ser
             pass
         time.sleep(0.1)
     tail = f"\n{server.log_tail()}" if server is not None else ""
-    raise TimeoutError(f"{what}: not true after {timeout:.0f} s{tail}")
+    state = f"\n{explain()}" if explain is not None else ""
+    raise TimeoutError(f"{what}: not true after {timeout:.0f} s{state}{tail}")
 
 
 def _stop(process: subprocess.Popen) -> None:

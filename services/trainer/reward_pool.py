@@ -99,6 +99,7 @@ class _Slot:
         self.process = None
         self.conn = None
         self.loaded: set[str] = set()  # rewards the current worker process has imported
+        self.doing = "starting"  # what the slot is doing now, for `RewardPool.describe`
         self.thread = threading.Thread(target=self._loop, name=f"reward-{index}", daemon=True)
 
     def _start(self) -> None:
@@ -124,10 +125,12 @@ class _Slot:
             except Exception:
                 self._kill()
         while True:
+            self.doing = "idle"
             task = self.pool.tasks.get()
             if task is None:
                 self._kill()
                 return
+            self.doing = f"calling {task.reward}"
             task.future.set_result(self._call(task))
 
     def _load(self, reward: str) -> tuple[str, str] | None:
@@ -138,6 +141,7 @@ class _Slot:
             self._start()
         if reward not in self.loaded:
             # Importing the reward (math-verify loads sympy) is not the call's time.
+            self.doing = f"importing {reward}"
             self.conn.send(("load", reward))
             if not self.conn.poll(START_TIMEOUT_S):
                 self._kill()
@@ -206,6 +210,14 @@ class RewardPool:
         future: Future = Future()
         self.tasks.put(_Task(reward, response, ground_truth, extras, future))
         return future
+
+    def describe(self) -> str:
+        """What the workers are doing and how many calls wait for one, e.g. "2 idle, 2 importing chain; 0 queued"."""
+        doing: dict[str, int] = {}
+        for slot in self.slots:
+            doing[slot.doing] = doing.get(slot.doing, 0) + 1
+        busy = ", ".join(f"{n} {what}" for what, n in sorted(doing.items()))
+        return f"{busy}; {self.tasks.qsize()} queued"
 
     def failed(self, reward: str, reason: str, detail: str) -> RewardResult:
         """Count and (once per reward and reason) log a failed call; its score is 0."""

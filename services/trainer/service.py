@@ -44,6 +44,7 @@ log = logging.getLogger("sparrow.trainer")
 RUN_FILE = "run.json"
 ENDPOINTS_FILE = "endpoints.json"
 STEPS_FILE = "steps.jsonl"
+WAIT_LOG_S = 30.0  # a step that waits longer says what for, in the log, every this many seconds
 
 
 class RunDirError(RuntimeError):
@@ -254,15 +255,20 @@ class TrainerService:
             if self.state.step == 0 and self.evaluator.due(0, self.config.steps):
                 self.feeder.tick()  # the consumer group exists before the first round goes on the stream
                 self.evaluator.start(0, self.state.policy_version)
+            waiting_since = last_told = time.monotonic()
             while not stop.is_set() and not self._done():
                 self.feeder.tick()
                 self.evaluator.poll()
                 batch, stale = self.runner.collect(self.state.policy_version)
                 self.state.dropped += stale
                 if batch is None:
+                    if time.monotonic() - last_told >= WAIT_LOG_S:
+                        last_told = time.monotonic()
+                        log.info("%s (for %.0f s)", self.waiting_for(), last_told - waiting_since)
                     self.store.wait(self.config.poll_s)
                     continue
                 self.train(batch)
+                waiting_since = last_told = time.monotonic()
             # The last rounds report before the trainer stops (each bounded by eval.timeout_s).
             while self.evaluator.pending and not stop.is_set():
                 self.feeder.tick()
@@ -291,6 +297,11 @@ class TrainerService:
             log.warning("%d of %d generators connected in %.0f s (%s); feeding anyway", len(seen), want, limit, seen)
         else:
             log.info("%d generator(s) connected (%s); feeding", len(seen), ", ".join(seen))
+
+    def waiting_for(self) -> str:
+        """What the next step waits for, in one line (logged every WAIT_LOG_S while it waits)."""
+        seen = ", ".join(sorted(self.generators_seen)) or "none"
+        return f"step {self.state.step + 1} waits: {self.runner.waiting_for()}; generators seen: {seen}"
 
     def _done(self) -> bool:
         return self.config.steps > 0 and self.state.step >= self.config.steps

@@ -167,6 +167,18 @@ class StepRunner:
             log.warning("dropped %d stale group(s) (lag > %d versions)", len(stale), self.max_staleness)
         return (ready if len(ready) == self.groups_per_step else None), stale
 
+    def waiting_for(self) -> str:
+        """Why no batch is ready: the outstanding groups and how many of their samples are stored, the
+        reward workers' state; logged while a step waits long and named by tests that time out."""
+        outstanding = self.ledger.outstanding()
+        counts = [(self.store.count(r.group_id), r.n) for r in outstanding]
+        complete = sum(have >= n for have, n in counts)
+        partial = " ".join(f"{have}/{n}" for have, n in counts if have < n)
+        return (
+            f"{complete} of {self.groups_per_step} groups complete; {len(outstanding)} outstanding"
+            f"{f' (samples stored {partial})' if partial else ''}; reward workers: {self.rewards.pool.describe()}"
+        )
+
     def run(self, step: int, policy_version: int, group_ids: list[str]) -> StepReport:
         """Train on the groups (taken from the ledger by the caller); export and return the step's figures."""
         start = time.monotonic()

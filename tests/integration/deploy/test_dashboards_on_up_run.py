@@ -3,6 +3,8 @@
 `sparrow up` (tiny model, reference engine, 2 generators, the controller, a sparse schedule) runs in
 the background with its Prometheus on a port chosen here; once a few steps are done, every panel's
 query (with `$bin` as ".*" and as a populated bin) must be accepted by Prometheus and return data.
+The test owns the run's lifetime: its step count is out of reach, so the run (and its Prometheus)
+stays up until the last panel is checked, however fast the machine, and the test then stops it.
 Panels about events that a healthy short run does not produce are named in `QUIET_IN_A_HEALTHY_RUN`
 with the reason; their queries must still run.
 """
@@ -21,6 +23,8 @@ from tests.servers import free_port
 pytestmark = pytest.mark.slow
 
 SCHEDULE = {"name": "live", "bin_width": 16, "budgets": [48, 48, 48, 64], "dense_layers": []}
+# Never reached: a fast machine would otherwise end the run (and stop Prometheus) mid-walk; SIGINT ends it.
+UNREACHED_STEPS = 1_000_000
 
 # Counters that only move when something goes wrong or is swapped; a healthy run has no samples.
 QUIET_IN_A_HEALTHY_RUN = {
@@ -47,7 +51,7 @@ def test_every_panel_query_returns_data_from_a_live_sparrow_up_run(tmp_path):
         tmp_path / "up.toml",
         schedule=SCHEDULE,
         pairs=16,
-        top={"scrape_interval_s": 0.5, "steps": 200},
+        top={"scrape_interval_s": 0.5, "steps": UNREACHED_STEPS},
         extra=f"[ports]\nprometheus = {prom_port}\n",
     )
     up = UpProcess("--config", str(config), "--generators", "2", "--run-dir", str(tmp_path / "run"), "--json")
@@ -69,15 +73,20 @@ def test_every_panel_query_returns_data_from_a_live_sparrow_up_run(tmp_path):
                     continue
                 deadline = time.monotonic() + 60  # rates need a few scrapes; the controller ticks every few s
                 while not finite_values(instant_query(url, query)) and time.monotonic() < deadline:
+                    _still_running(up)
                     time.sleep(0.5)
                 if not finite_values(instant_query(url, query)):
                     failures.append(f"{dashboard} / {title}: {query}")
         assert not failures, "panels without data in a live run:\n" + "\n".join(failures)
         assert len(quiet) < len(panel_queries())  # the exemptions stay exceptions
+        _still_running(up)
+        up.proc.send_signal(signal.SIGINT)
+        assert up.wait(120) == 130, up.stderr_so_far()  # interrupted by the user, as Ctrl-C would
     finally:
-        if up.proc.poll() is None:
-            up.proc.send_signal(signal.SIGINT)
-            try:
-                up.wait(120)
-            except Exception:
-                up.kill()
+        up.kill()
+
+
+def _still_running(up: UpProcess) -> None:
+    """The run must outlive the walk: it only ends when the test stops it."""
+    if up.proc.poll() is not None:
+        raise AssertionError(f"sparrow up ended on its own (exit {up.proc.returncode}): {up.stderr_so_far()}")

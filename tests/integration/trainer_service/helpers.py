@@ -156,6 +156,7 @@ class SamplingGenerator:
         self.trajectories: dict[str, list[rollout_pb2.Trajectory]] = {}  # group id -> accepted ones
         self.acks: list[tuple[str, int]] = []  # (trajectory id, status) in order
         self.errors = 0
+        self.doing = "starting"  # named by `describe` when a test times out
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -166,6 +167,13 @@ class SamplingGenerator:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(60)
+
+    def describe(self) -> str:
+        """What this generator is doing and has done, for a test's timeout message."""
+        return (
+            f"generator {self.consumer}: {self.doing}; policy v{self.version}; {len(self.acks)} acks "
+            f"({len(self.accepted)} groups accepted); {self.errors} stream errors"
+        )
 
     def _run(self) -> None:
         pending = None
@@ -181,11 +189,14 @@ class SamplingGenerator:
             try:
                 while not self.stop.is_set():
                     if pending is None:
+                        self.doing = "reading the stream"
                         pending = self._next_group()
                         if pending is None:
                             continue
                     entry_id, group = pending
+                    self.doing = f"fetching a policy for {group.group_id}"
                     self._maybe_update(channel)
+                    self.doing = f"sampling and sending {group.group_id}"
                     seed += 1
                     trajectories = sample_trajectories(
                         self.model, group.group_id, group.prompt_token_ids, group.n, self.version,
@@ -204,6 +215,7 @@ class SamplingGenerator:
                     pending = None
             except grpc.RpcError as exc:
                 self.errors += 1
+                self.doing = f"reconnecting after {exc.code()}"
                 log.info("trainer stream ended (%s); reconnecting", exc.code())
                 time.sleep(0.3)
             finally:

@@ -98,8 +98,9 @@ def _steps(run_dir: Path) -> list[dict]:
 def test_steps_reward_export_publish_and_advance_the_policy(tmp_path):
     with redis_server() as redis, _running(_config(tmp_path / "run", redis.url), True, tmp_path / "gen") as running:
         service, generator, address = running
-        wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 120, "two training steps")
-        wait_until(lambda: generator.version >= 3, 60, "the generator on the policy after step 2")
+        state = lambda: f"{service.waiting_for()}\n{generator.describe()}"  # noqa: E731
+        wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 240, "two training steps", explain=state)
+        wait_until(lambda: generator.version >= 3, 60, "the generator on the policy after step 2", explain=state)
         metrics = _metrics(service.metrics_port)
         channel = open_channel(address, GrpcSecurity())
         version, _ = fetch_policy(channel, tmp_path / "fetched", version=3, chunk_bytes=8192)
@@ -107,6 +108,8 @@ def test_steps_reward_export_publish_and_advance_the_policy(tmp_path):
         hello = RolloutSession(channel, "late-joiner").hello
         history = list(service.state.history)
         samples = {gid: generator.trajectories[gid] for gid in history[0]}  # what the generator had accepted
+    # What a waiting step would log (and a timeout above would have said).
+    assert service.waiting_for().startswith(f"step {service.state.step + 1} waits: ") and "reward workers" in state()
     # Stopped: what is published last is exactly the model the trainer holds.
     latest = service.weights.folder("policy", service.state.policy_version)
     assert _same(load_model(latest), service.model)
