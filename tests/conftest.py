@@ -10,9 +10,16 @@ of a test (a trainer, a stand-in generator) would otherwise use a pool as wide a
 threads spin at every barrier; on a busy 2-core machine that made a stand-in generator's 4 samples of
 40 tokens take more than 240 s (it took 30 s with one thread on the same load). Tests measure
 behaviour, not speed: `sparrow bench` sets its own threads.
+
+Every test gets back the environment it started with. A vLLM engine built in the test process writes
+to `os.environ` (its CPU platform sets LD_PRELOAD to torch's OpenMP library and LOCAL_WORLD_SIZE), and
+every process a later test starts would inherit that: a trainer launcher or torchrun ranks that no
+user runs.
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -22,3 +29,12 @@ torch.set_num_threads(1)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True)
+def _own_environment():
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)

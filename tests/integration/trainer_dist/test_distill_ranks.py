@@ -1,7 +1,9 @@
 """DistillSparse and exact alpha on real gloo FSDP2 ranks (torchrun), fp32, activation checkpointing on: the same
-3 steps on 1 process and on 2 ranks give the same policy (1e-5 relative), the same adapter (1e-6 absolute, with
-AdamW at lr 1e-3), the same exact alpha per token (1e-5), loss, adapter loss and probe; no gradient of the frozen
-policy is computed or reduced during the adapter's step; a 2-rank DCP checkpoint with the adapter resumes on 1."""
+3 steps on 1 process and on 2 ranks give the same policy (1e-5 relative), the same adapter (within 1% of one AdamW
+step at lr 1e-3: Adam divides each gradient by its own running size, so a gloo sum rounded in another order moves a
+weight by about 1e-6 on some CPUs, where a rank that trained on its own gradient alone moves it by a good part of a
+step), the same exact alpha per token (1e-5), loss, adapter loss and probe; no gradient of the frozen policy is
+computed or reduced during the adapter's step; a 2-rank DCP checkpoint with the adapter resumes on 1."""
 
 import json
 import socket
@@ -16,6 +18,8 @@ REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("distill_worker.py")
 
 pytestmark = pytest.mark.slow
+
+ADAPTER_ABS = 1e-5  # 1% of one AdamW step at the adapter's lr 1e-3 (see the module's docstring)
 
 
 def _free_port() -> int:
@@ -86,7 +90,7 @@ def test_distill_and_exact_alpha_train_alike_on_one_and_two_ranks_and_never_touc
             assert s["dense_forwards_trainable"] and all(s["dense_forwards_trainable"])
     assert "probe" in one["steps"][0]["distill"] and "probe" not in one["steps"][1]["distill"]
     _close(one["params"], two["params"], rel=1e-5)
-    _close(one["adapter"], two["adapter"], abs_=1e-6)
+    _close(one["adapter"], two["adapter"], abs_=ADAPTER_ABS)
     from trainer.model_io import load_model
 
     start = load_model(REPO / "models" / "tiny").state_dict()
@@ -104,4 +108,4 @@ def test_a_two_rank_checkpoint_with_the_adapter_resumes_on_one_rank(tmp_path, on
     assert rest["adapter_version"] == 2
     _same_step(one_rank["steps"][2], rest["steps"][0])
     _close(one_rank["params"], rest["params"], rel=1e-5)
-    _close(one_rank["adapter"], rest["adapter"], abs_=1e-6)
+    _close(one_rank["adapter"], rest["adapter"], abs_=ADAPTER_ABS)

@@ -311,8 +311,9 @@ def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoin
     cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(run_dir), "--model-dir", str(TINY)]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "2", "--grpc-address", "127.0.0.1:0", "--metrics-port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash on the way out shows where it was (CI once saw a status other than 2)
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2, r.stderr[-3000:]
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "sparrow trainer: error: no checkpoint under" in r.stderr
     assert r.stderr.count("starting 2 trainer process(es)") == 1
     assert re.search(r"stopped with a setup error \(.*exit 2.*\); not started again", r.stderr), r.stderr[-3000:]
