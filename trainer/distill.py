@@ -93,7 +93,7 @@ class DistillConfig:
       selected (a looked-up fact on an unselected page), no amount of training on them brings the
       page back. The selection loss is differentiable in the queries and the page centroids (through
       q_proj and k_proj): it trains the scores to rank pages as the attention would weigh them
-      (see the README's DistillSparse results for what it did on `small`);
+      (see docs/results.md, DistillSparse on `small`, for what it did on `small`);
     - epochs 1: one optimizer step per RL step, as the paper trains phi after each dense update.
     No LoRA dropout: the engines apply none, and the trained actor must be the served one.
     """

@@ -20,7 +20,7 @@ from sparrow.config import ConfigSection, SparrowConfig
 LAUNCHER_DIR = Path(__file__).resolve().parent
 # The budgets `sparrow calibrate` fitted on `small` (small-calibrated.json, every layer sparse), with
 # layers 0-1 dense as in the paper: with every layer sparse, rollouts lose half their accuracy on the
-# chain task while p5 reads 1.000 (README, "Dense vs sparse rollouts in the RL loop").
+# chain task while p5 reads 1.000 (docs/results.md, "Dense vs sparse rollouts in the RL loop").
 DEFAULT_SCHEDULE = LAUNCHER_DIR / "schedules" / "small-default.json"
 
 

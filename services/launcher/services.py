@@ -111,7 +111,7 @@ def resolve(
             "grpc": {"grace_s": 2.0},
             "metrics": {"host": HOST, "bin_width": schedule.bin_width, "num_bins": schedule.num_bins},
             # Long enough for the schedule to matter (KV up to ~500 tokens); `small` solves about all
-            # of it with dense rollouts and about half under the calibrated schedule (README).
+            # of it with dense rollouts and about half under the calibrated schedule (docs/results.md).
             "task": {"pairs": 64, "min_hops": 16, "max_hops": 64},
             "sampling": {"max_new_tokens": 300},
             "checkpoint": {"keep": 2},

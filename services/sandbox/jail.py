@@ -98,7 +98,7 @@ class Jail:
             raise JailError(
                 "bubblewrap cannot run a jail here "
                 f"({why[-1] if why else out.status}); it needs user namespaces (kernel.unprivileged_userns_clone=1,"
-                " user.max_user_namespaces > 0; in a container: see the README's sandbox section)"
+                " user.max_user_namespaces > 0; in a container: see docs/sandbox.md)"
             )
 
     def run(self, runtime: Runtime, source: bytes, stdin: bytes, limits: Limits) -> Outcome:
