@@ -8,10 +8,12 @@ it and no second OpenMP runtime competes with torch's; OpenMP is used for SIMD h
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -24,20 +26,40 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("csrc") / "cpu_sparse_attention.cpp"
 
 
+_NAME = "sparrow_cpu_sparse_attention"
+
+
 @functools.cache
 def cpu_extension():
-    """The compiled extension module, or None when it cannot be built here (the reason is logged)."""
+    """The compiled extension module, or None when it cannot be built here (the reason is logged).
+
+    torch's loader guards a build with a `lock` file that only the build removes: a process killed while it
+    compiles (a test's timeout, an OOM kill, a pod stopped during its first start) leaves it behind, and every
+    later load waits on it for ever, without a word. So the build runs under an flock of our own, which the
+    kernel releases when its holder dies; whoever holds it is the only one that may be building, and removes
+    a `lock` file it finds as left by a build that died.
+    """
     if os.environ.get("SPARROW_NO_CPU_EXTENSION") == "1":
         return None
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        return load(
-            name="sparrow_cpu_sparse_attention",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
-            verbose=False,
-        )
+        root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        build = root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / _NAME
+        build.mkdir(parents=True, exist_ok=True)
+        with (build / "build.flock").open("a") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = build / "lock"
+            if stale.exists():
+                log.warning("removing %s, left by a build of the CPU extension that did not finish", stale)
+                stale.unlink(missing_ok=True)
+            return load(
+                name=_NAME,
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                build_directory=str(build),
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja must not take the torch path down with it
         log.warning("CPU sparse-attention extension unavailable, using the torch path: %s", exc)
         return None
