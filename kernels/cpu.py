@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import logging
 import math
 import os
@@ -45,7 +46,10 @@ def cpu_extension():
         from torch.utils.cpp_extension import get_default_build_root, load
 
         root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-        build = root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / _NAME
+        # One folder per checkout: the build's commands name the source's path, so two checkouts sharing one
+        # folder would rebuild it each time the other loaded it.
+        where = hashlib.sha256(str(_SOURCE).encode()).hexdigest()[:10]
+        build = root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}_{where}" / _NAME
         build.mkdir(parents=True, exist_ok=True)
         with (build / "build.flock").open("a") as guard:
             fcntl.flock(guard, fcntl.LOCK_EX)
