@@ -27,6 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=["vllm", "reference"], help="generator engine (engine)")
     p.add_argument("--run-dir", metavar="DIR", help="the run folder, new or empty (run_dir)")
     p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="carry on the run of this folder, with its own config (after a kill, or to more --steps)",
+    )
+    p.add_argument(
         "--data", metavar="FILE", action="append", help="training dataset, repeatable (trainer.data.train_files)"
     )
     p.add_argument(
@@ -67,19 +72,25 @@ def run(args: argparse.Namespace) -> int:
         "trainer.data.eval_files": _paths(args.eval_data),
         "trainer.reward.name": args.reward,
     }
+    from services.launcher.plan import SetupError, make_plan
+
     try:
         sets = parse_set_flags(UpConfig, args.set, service_schemas())
-        config = load_config(UpConfig, args.config, {k: v for k, v in flags.items() if v is not None} | sets)
-    except ConfigError as exc:
+        overrides = {k: v for k, v in flags.items() if v is not None} | sets
+        if args.resume:
+            config = _resumed_config(args, overrides)
+        else:
+            config = load_config(UpConfig, args.config, overrides)
+    except (ConfigError, SetupError) as exc:
         raise CliError(str(exc)) from None
-    from services.launcher.plan import SetupError, make_plan
+    resume = bool(args.resume)
 
     if args.print_config:
         # The launch's own checks, so that what prints is what would run (they write nothing).
         from services.launcher.compare import check_compare
 
         try:
-            check_compare(config) if args.compare else make_plan(config)
+            check_compare(config) if args.compare else make_plan(config, resume=resume)
         except (SetupError, ConfigError) as exc:
             raise CliError(str(exc)) from None
         print(json.dumps(config.dump_public(), sort_keys=True))
@@ -102,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
             code, summary = run_compare(config, progress)
         else:
-            code, summary = run_up(config, progress)
+            code, summary = run_up(config, progress, resume=resume)
     except (SetupError, ConfigError) as exc:
         raise CliError(str(exc)) from None
     if code == 1 and summary and summary.get("error"):
@@ -110,6 +121,22 @@ def run(args: argparse.Namespace) -> int:
     if args.compare and code == 0:
         _print_compare(summary, args.json)
     return code
+
+
+def _resumed_config(args: argparse.Namespace, overrides: dict):
+    """The config of the run in --resume's folder, with the flags that may change on a resume."""
+    from pathlib import Path
+
+    from services.launcher.resume import saved_config
+
+    for given, name in ((args.config, "--config"), (args.compare, "--compare"), (args.dry_run, "--dry-run")):
+        if given:
+            raise CliError(f"--resume carries on a run with its own config; drop {name}")
+    run_dir = Path(args.resume).resolve()
+    if args.run_dir and Path(args.run_dir).resolve() != run_dir:
+        raise CliError("--resume names the run folder; drop --run-dir")
+    overrides.pop("run_dir", None)
+    return saved_config(run_dir, overrides)
 
 
 def _dry_run(config, as_json: bool) -> int:

@@ -12,6 +12,11 @@ one per round and mode, in the order they ended among the step rows: the round, 
 source, and on the `schedule` row of a round with both modes `dense_gap` (dense minus scheduled). `read_history` gives
 the step rows, `read_eval_history` the eval rows.
 
+A resumed run (`sparrow up --resume`) carries on the same file: the rows written before are the run's
+so far, and the trainer's records are read on from where the last launcher had read them
+(RUN_DIR/history.json, written after every append), so a step it had recorded but the last launcher
+never saw gets its row, and none is written twice except the one a kill could fall between.
+
 Throughput is measured between two rows: `tokens_per_s` is generated tokens per wall second (all
 generators), `rollout_tokens_per_s` is tokens per second of engine step time summed over generators
 (what the cluster generates while generating, whatever the trainer's pace).
@@ -20,6 +25,7 @@ generators), `rollout_tokens_per_s` is tokens per second of engine step time sum
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from pathlib import Path
 from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, scrape_generator
 
 HISTORY_FILE = "metrics.jsonl"
+READ_FILE = "history.json"  # how far the launcher has read the trainer's records (a resume reads on from there)
 STEPS_FILE = "steps.jsonl"  # written by the trainer in its run folder
 EVAL_KIND = "eval"  # the kind of a history row of an evaluation round (step rows have no kind)
 
@@ -51,8 +58,9 @@ class HistorySources:
 class History:
     """Turns new trainer steps into rows and appends them to the history file."""
 
-    def __init__(self, run_dir: Path, sources: HistorySources) -> None:
+    def __init__(self, run_dir: Path, sources: HistorySources, resume: bool = False) -> None:
         self.path = run_dir / HISTORY_FILE
+        self._read_file = run_dir / READ_FILE
         self.sources = sources
         self.started = time.time()
         self._offset = 0  # bytes of steps.jsonl consumed
@@ -62,6 +70,28 @@ class History:
         self._last_time = time.monotonic()
         self.rows: list[dict] = []  # the run as it stands: each step's last training (`supersede`)
         self.generator_versions: dict[str, int] = {}  # newest policy version each generator served
+        if resume:
+            self._carry_on(run_dir)
+
+    def _carry_on(self, run_dir: Path) -> None:
+        """The run so far: its rows, how far its records were read, its clock (elapsed_s goes on)."""
+        self.rows = read_history(run_dir)
+        self.eval_rows = read_eval_history(run_dir)
+        try:
+            read = json.loads(self._read_file.read_text())
+            self._offset, self._evals_offset = int(read["steps"]), int(read["evals"])
+        except (OSError, ValueError, KeyError, TypeError):
+            # No record of how far (a launcher killed before its first row): what the rows hold was read.
+            self._offset = _size(self.sources.steps_file) if self.rows else 0
+            self._evals_offset = _size(self.sources.evals_file) if self.eval_rows else 0
+        last = [r.get("elapsed_s") for r in self.rows + self.eval_rows if isinstance(r.get("elapsed_s"), int | float)]
+        if last:
+            self.started -= max(last)
+
+    def _record_read(self) -> None:
+        tmp = self._read_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"steps": self._offset, "evals": self._evals_offset}) + "\n")
+        os.replace(tmp, self._read_file)
 
     def poll(self) -> list[dict]:
         """Rows for the steps the trainer finished since the last call (evaluation rounds that ended since
@@ -72,6 +102,7 @@ class History:
                 for row in evals:
                     f.write(json.dumps(row) + "\n")
             self.eval_rows += evals
+            self._record_read()
         steps = self._new_steps()
         if not steps:
             return []
@@ -87,6 +118,7 @@ class History:
         with self.path.open("a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+        self._record_read()
         for row in rows:
             supersede(self.rows, row)
         return rows
@@ -223,6 +255,13 @@ class History:
             "tis_clip_fraction": step.get("tis_clip_fraction"),
             "step_seconds": step.get("seconds"),
         }
+
+
+def _size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path is not None else 0
+    except OSError:
+        return 0
 
 
 def _delta(now: float, before: float) -> float:

@@ -5,6 +5,7 @@ RUN_DIR/services/*.toml          each child's whole config (what it runs with; s
 RUN_DIR/prometheus/prometheus.yml  scrape jobs for the trainer, the generators, the controller and the sandbox
 RUN_DIR/logs/<service>.log       one log per child
 RUN_DIR/trainer/                 the trainer's store, ledger, checkpoints, policies, steps.jsonl
+RUN_DIR/redis/                   the run's Redis, every write in its append-only file
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from services.common.faults import UP_PID_ENV
 from services.controller.config import ControllerConfig
 from services.generator.config import GeneratorConfig
 from services.launcher import health
@@ -140,13 +142,17 @@ def check_trainer_start(trainer: TrainerServiceConfig, procs: int, build: bool) 
         raise SetupError(str(exc)) from None
 
 
-def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
-    """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written."""
+def make_plan(up: UpConfig, run_dir: Path | None = None, resume: bool = False) -> RunPlan:
+    """Check the input and decide the run; SetupError/ConfigError (one line) before anything is written.
+
+    `resume`: the run folder is a run's, carried on (services/launcher/resume.py); otherwise it must be new or empty.
+    """
     run_dir = (run_dir or Path(up.run_dir or default_run_dir())).resolve()
     for binary, needed in (("redis-server", not up.redis_url), ("prometheus", not up.prometheus_url)):
         if needed and shutil.which(binary) is None:
             raise SetupError(f"{binary} is not installed (scripts/setup.sh installs it), or give its URL in the config")
-    require_fresh_run_dir(run_dir)
+    if not resume:
+        require_fresh_run_dir(run_dir)
     from services.launcher.tracking.factory import missing_backends
 
     for missing in missing_backends(up.tracking):  # a tracker named but not installed: told before the run
@@ -241,13 +247,16 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
     run_dir, logs, cfg = plan.run_dir, plan.run_dir / "logs", plan.run_dir / "services"
     base = dict(os.environ)
     base["PYTHONPATH"] = launcher_pythonpath(base)
+    base[UP_PID_ENV] = str(os.getpid())  # the launcher a fault point kills (services/common/faults.py)
     specs: list[ServiceSpec] = []
     if not plan.up.redis_url:
         data = run_dir / "redis"
         data.mkdir(parents=True, exist_ok=True)
         port = plan.ports.redis
-        argv = ["redis-server", "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
-        argv += ["--dir", str(data), "--protected-mode", "yes"]
+        # Every write reaches the append-only file before Redis answers it: the prompt stream, its pending
+        # entries and the controller's schedule survive a kill of the whole run (`sparrow up --resume`).
+        argv = ["redis-server", "--port", str(port), "--bind", HOST, "--save", ""]
+        argv += ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(data), "--protected-mode", "yes"]
         specs.append(
             ServiceSpec(
                 "redis", "store", argv, logs / "redis.log", health.redis_ready(plan.redis_url), ports={"port": port}

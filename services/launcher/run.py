@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from services.common.exits import describe_exit
+from services.common.faults import fault_point
 from services.launcher.accounting import WORK_FILE, account
 from services.launcher.cluster import Cluster, StartError
 from services.launcher.config import UpConfig
@@ -35,6 +36,7 @@ from services.launcher.eval_report import EVALS_FILE, read_evals
 from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
 from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
+from services.launcher.resume import hold_run_folder, wait_for_earlier_services
 from services.launcher.services import prompt_tokens
 from services.launcher.tracking.base import Trackers
 from services.launcher.tracking.factory import open_trackers
@@ -189,10 +191,14 @@ class UpRun:
                     with self.interrupts.deferred():
                         self.cluster.start(spec)
             self.cluster.wait_ready(timeout, go_on=self.interrupts.check)
+            fault_point("up:start")  # the first time: Redis and Prometheus up, the trainer not started
         self.progress.event("every service is healthy; training")
 
-    def supervise(self) -> None:
-        """Follow the steps until the trainer is done; RunError when the run cannot go on."""
+    def supervise(self, resume: bool = False) -> None:
+        """Follow the steps until the trainer is done; RunError when the run cannot go on.
+
+        `resume`: the history goes on from the run's rows so far (services/launcher/history.py).
+        """
         p, up = self.plan, self.plan.up
         self.history = History(
             p.run_dir,
@@ -211,7 +217,10 @@ class UpRun:
                 speedup_of=speedup_function(p),
                 evals_file=p.run_dir / "trainer" / EVALS_FILE,
             ),
+            resume=resume,
         )
+        if resume:
+            self.trackers.catch_up(self.history.rows)
         last_step = time.monotonic()
         while True:
             self.interrupts.check()
@@ -286,6 +295,7 @@ class UpRun:
             log.info("step %d: reward %s p5 %s", row["step"], row["reward"], row["p5"])
             self.progress.step(row)
             self.trackers.log_row(row)
+            fault_point("up:step")
         return bool(rows)
 
     def finish(self, outcome: str, error: str | None) -> dict:
@@ -359,13 +369,25 @@ class UpRun:
         self.trackers = open_trackers(p.up.tracking, p.run_dir, config, self.progress.event)
 
 
-def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple[int, dict]:
+def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None, resume: bool = False) -> tuple[int, dict]:
     """Carry out one run; returns (exit status: 0 completed, 1 failed, 130 interrupted; the summary).
 
+    `resume`: carry on the run of the folder `up.run_dir` (services/launcher/resume.py).
     SetupError and ConfigError (bad input) are raised before anything starts or is written.
     """
-    plan = make_plan(up, run_dir)
-    write_run_files(plan)
+    plan = make_plan(up, run_dir, resume=resume)
+    lock = hold_run_folder(plan.run_dir)
+    try:
+        if resume:
+            wait_for_earlier_services(plan.run_dir, up.timeouts.stop_grace_s + 5)
+        write_run_files(plan)
+        return _run_planned(plan, progress_factory, resume)
+    finally:
+        lock.close()
+
+
+def _run_planned(plan: RunPlan, progress_factory, resume: bool) -> tuple[int, dict]:
+    up = plan.up
     handler = _log_to(plan.run_dir)
     progress = progress_factory(plan)
     interrupts = Interrupts()
@@ -373,14 +395,17 @@ def run_up(up: UpConfig, progress_factory, run_dir: Path | None = None) -> tuple
     interrupts.install()
     outcome, error, summary = FAILED, None, None
     try:
-        log.info("run folder %s, config %s", plan.run_dir, json.dumps(up.dump_public()))
+        log.info(
+            "%s run folder %s, config %s", "resuming" if resume else "run", plan.run_dir, json.dumps(up.dump_public())
+        )
         if plan.build_model:
             build_model(plan, progress)
         run.start()
         # After the services are started: a tracker's thread importing its package while the launcher
         # forks a child could leave the child deadlocked before exec (subprocess's preexec_fn).
         run.open_tracking()
-        run.supervise()
+        fault_point("up:started")
+        run.supervise(resume)
         outcome = COMPLETED
     except KeyboardInterrupt:
         outcome = INTERRUPTED

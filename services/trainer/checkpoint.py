@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
+from services.common.faults import fault_point
 from services.trainer.store import fsync_dir
 
 log = logging.getLogger("sparrow.trainer.checkpoint")
@@ -187,6 +188,7 @@ class CheckpointManager:
             dcp.save(parts, checkpoint_id=str(tmp / "state"), planner=planner)
         _barrier()
         if _rank0():
+            fault_point("trainer:checkpoint")
             (tmp / META).write_text(json.dumps(asdict(state)))
             for path in tmp.rglob("*"):
                 if path.is_file():

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from services.common.faults import fault_point
 from services.trainer.store import replace_text
 from services.trainer.weights import POLICY, Manifest, WeightStore
 from sparrow.weight_delta import DELTA_FILE, folder_digest, weight_files, write_delta
@@ -55,6 +56,7 @@ def publish_policy(
 
     def write_all(out: Path) -> None:
         write(out)
+        fault_point("trainer:publish")
         set_config_dtype(out, dtype)
         sync.prepare(version, out, base, previous)
 

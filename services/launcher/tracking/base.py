@@ -11,7 +11,9 @@ stops a training run.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +25,7 @@ from services.launcher.tracking.names import tracked_eval_metrics, tracked_metri
 
 log = logging.getLogger("sparrow.up.tracking")
 
+LOG_STEP = "log step "  # a step's call: "log step N"
 FINISH_TIMEOUT_S = 120.0  # what a tracker gets at the end to write what it was given, then it is left
 
 
@@ -55,10 +58,16 @@ class Tracker(ABC):
 class _Worker:
     """One tracker's calls, in order, on a thread of its own; after the first failure the rest are skipped."""
 
-    def __init__(self, tracker: Tracker, failed: Callable[[Tracker, str, Exception], None]) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        failed: Callable[[Tracker, str, Exception], None],
+        done: Callable[[Tracker, str], None] = lambda tracker, what: None,
+    ) -> None:
         self.tracker = tracker
         self.failed = False
         self._on_failure = failed
+        self._on_done = done
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=f"tracking-{tracker.name}", daemon=True)
         self._thread.start()
@@ -74,6 +83,7 @@ class _Worker:
                     return
                 if not self.failed:
                     fn(self.tracker)
+                    self._on_done(self.tracker, what)
             except Exception as exc:  # whatever a backend raises, the run goes on without it
                 self.failed = True
                 self._on_failure(self.tracker, what, exc)
@@ -102,11 +112,56 @@ class _Worker:
 class Trackers:
     """Every tracker of a run; each step is logged once, a tracker that fails is reported once and dropped."""
 
-    def __init__(self, trackers: list[Tracker], notify: Callable[[str], None] = lambda message: None) -> None:
+    def __init__(
+        self,
+        trackers: list[Tracker],
+        notify: Callable[[str], None] = lambda message: None,
+        record: Path | None = None,
+    ) -> None:
+        """`record`: a JSON file where the last step each tracker has written is kept (`logged`), so that a resumed
+        run gives each one the steps it never got (`catch_up`); other keys of the file are left as they are."""
         self.notify = notify
         self.status: dict[str, str] = {t.name: "ok" for t in trackers}
         self.last_step = 0
-        self._workers = [_Worker(t, self._failed) for t in trackers]
+        self._record = record
+        self._record_lock = threading.Lock()
+        self.logged: dict[str, int] = self._read_record().get("logged", {}) if record is not None else {}
+        self._workers = [_Worker(t, self._failed, self._done) for t in trackers]
+
+    def _read_record(self) -> dict:
+        try:
+            data = json.loads(self._record.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def _done(self, tracker: Tracker, what: str) -> None:
+        if self._record is None or not what.startswith(LOG_STEP):
+            return
+        step = int(what[len(LOG_STEP) :])
+        with self._record_lock:
+            if step <= self.logged.get(tracker.name, 0):
+                return
+            self.logged[tracker.name] = step
+            data = self._read_record() | {"logged": dict(self.logged)}
+            tmp = self._record.with_suffix(".tmp")
+            tmp.write_text(json.dumps(data) + "\n")
+            os.replace(tmp, self._record)
+
+    def catch_up(self, rows: list[dict]) -> None:
+        """A resumed run's history so far: each tracker gets the rows after the last step it wrote (a launcher
+        killed with SIGKILL loses what its trackers had queued); later `log_row` calls go on after them."""
+        for worker in self._workers:
+            done = self.logged.get(worker.tracker.name, 0)
+            for row in rows:
+                step = row.get("step")
+                if isinstance(step, int) and step > done and not worker.failed:
+                    metrics = tracked_metrics(row)
+                    worker.submit(
+                        f"{LOG_STEP}{step}", lambda t, step=step, metrics=metrics: t.log_metrics(step, metrics)
+                    )
+        steps = [r["step"] for r in rows if isinstance(r.get("step"), int)]
+        self.last_step = max([self.last_step, *steps])
 
     def _failed(self, tracker: Tracker, what: str, exc: Exception) -> None:
         error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
@@ -131,7 +186,7 @@ class Trackers:
             return
         self.last_step = step
         metrics = tracked_metrics(row)
-        self._submit(f"log step {step}", lambda t: t.log_metrics(step, metrics))
+        self._submit(f"{LOG_STEP}{step}", lambda t: t.log_metrics(step, metrics))
 
     def log_eval(self, row: dict) -> None:
         """An evaluation row of the history (one round, one mode), at the step it ran after; returns at once."""

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from services.launcher.tracking.base import Tracker, Trackers
 from services.launcher.tracking.config import TrackingConfig
+
+KEY_FILE = "tracking.json"  # the run's tracker key: a resumed run (sparrow up --resume) logs on into the same runs
 
 # backend -> (the module it needs, the extra that installs it)
 REQUIRES = {
@@ -44,6 +49,24 @@ def _mlflow_uri(config: TrackingConfig, run_dir: Path) -> str:
     return config.mlflow.tracking_uri or (run_dir / "mlruns").resolve().as_uri()
 
 
+def run_key(run_dir: Path) -> str:
+    """The run's tracker key, made at its first start and kept in the run folder: the W&B run id, and the
+    MLflow run's `sparrow.run_key` tag, so that a resumed run logs on into the runs it started."""
+    path = run_dir / KEY_FILE
+    try:
+        key = str(json.loads(path.read_text())["key"])
+        if key.isalnum():
+            return key
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    key = uuid.uuid4().hex
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key}) + "\n")
+    os.replace(tmp, path)
+    return key
+
+
 def make_tracker(backend: str, config: TrackingConfig, run_dir: Path) -> Tracker:
     """One backend's tracker (its package is imported when the run starts, not here)."""
     name = config.run_name or run_dir.name
@@ -57,7 +80,13 @@ def make_tracker(backend: str, config: TrackingConfig, run_dir: Path) -> Tracker
 
         w = config.wandb
         return WandbTracker(
-            project=config.project, run_name=name, tags=config.tags, mode=w.mode, root=dirs[backend], entity=w.entity
+            project=config.project,
+            run_name=name,
+            tags=config.tags,
+            mode=w.mode,
+            root=dirs[backend],
+            entity=w.entity,
+            run_id=run_key(run_dir),
         )
     if backend == "mlflow":
         from services.launcher.tracking.mlflow_tracker import MlflowTracker
@@ -67,6 +96,7 @@ def make_tracker(backend: str, config: TrackingConfig, run_dir: Path) -> Tracker
             experiment=config.mlflow.experiment or config.project,
             run_name=name,
             tags=config.tags,
+            run_key=run_key(run_dir),
         )
     raise ValueError(f"unknown tracking backend {backend!r}")
 
@@ -78,6 +108,7 @@ def open_trackers(
     for message in missing_backends(config):  # `sparrow up` refuses these before the run; a direct caller is told
         notify(message)
     missing = {b for b in config.backends if importlib.util.find_spec(REQUIRES[b][0]) is None}
-    trackers = Trackers([make_tracker(b, config, run_dir) for b in config.backends if b not in missing], notify)
+    made = [make_tracker(b, config, run_dir) for b in config.backends if b not in missing]
+    trackers = Trackers(made, notify, record=run_dir / KEY_FILE)
     trackers.start(run_config)
     return trackers

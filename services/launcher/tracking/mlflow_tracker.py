@@ -21,13 +21,19 @@ def mlflow_name(name: str) -> str:
     return REFUSED.sub("_", name)
 
 
+RUN_KEY_TAG = "sparrow.run_key"
+
+
 class MlflowTracker(Tracker):
     """A run in the experiment: tags, the config as params and config.json, metrics per step, plots as artifacts."""
 
     name = "mlflow"
 
-    def __init__(self, *, tracking_uri: str, experiment: str, run_name: str, tags: list[str]) -> None:
+    def __init__(
+        self, *, tracking_uri: str, experiment: str, run_name: str, tags: list[str], run_key: str = ""
+    ) -> None:
         self.tracking_uri, self.experiment, self.run_name, self.tags = tracking_uri, experiment, run_name, tags
+        self.run_key = run_key  # tagged `sparrow.run_key`: a resumed run finds its run by it and logs on into it
         self._client = None
         self._run_id = ""
 
@@ -42,12 +48,22 @@ class MlflowTracker(Tracker):
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         found = self._client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found else self._client.create_experiment(self.experiment)
-        run = self._client.create_run(experiment_id, run_name=self.run_name, tags={t: "" for t in self.tags})
-        self._run_id = run.info.run_id
-        params = [Param(mlflow_name(k), v[:PARAM_CHARS]) for k, v in flat_config(config).items()]
-        for i in range(0, len(params), BATCH):
-            self._client.log_batch(self._run_id, params=params[i : i + BATCH])
-        self._client.log_batch(self._run_id, tags=[RunTag("sparrow.run_name", self.run_name)])
+        found_runs = []
+        if self.run_key:
+            query = f"tags.`{RUN_KEY_TAG}` = '{self.run_key}'"
+            found_runs = self._client.search_runs([experiment_id], filter_string=query, max_results=1)
+        if found_runs:  # a resumed run: its params are logged already (MLflow keeps a param's first value)
+            self._run_id = found_runs[0].info.run_id
+            self._client.update_run(self._run_id, status="RUNNING")
+        else:
+            run = self._client.create_run(experiment_id, run_name=self.run_name, tags={t: "" for t in self.tags})
+            self._run_id = run.info.run_id
+            params = [Param(mlflow_name(k), v[:PARAM_CHARS]) for k, v in flat_config(config).items()]
+            for i in range(0, len(params), BATCH):
+                self._client.log_batch(self._run_id, params=params[i : i + BATCH])
+            tags = [RunTag("sparrow.run_name", self.run_name)]
+            tags += [RunTag(RUN_KEY_TAG, self.run_key)] if self.run_key else []
+            self._client.log_batch(self._run_id, tags=tags)
         self._client.log_dict(self._run_id, config, "config.json")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:

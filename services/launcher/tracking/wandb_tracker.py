@@ -19,9 +19,12 @@ class WandbTracker(Tracker):
 
     name = "wandb"
 
-    def __init__(self, *, project: str, run_name: str, tags: list[str], mode: str, root: Path, entity: str) -> None:
+    def __init__(
+        self, *, project: str, run_name: str, tags: list[str], mode: str, root: Path, entity: str, run_id: str = ""
+    ) -> None:
         self.project, self.run_name, self.tags = project, run_name, tags
         self.mode, self.root, self.entity = mode, root, entity
+        self.run_id = run_id  # the W&B run id: a resumed run (same id) logs on into the same run
         self._run = None
         self._step = 0  # the last step logged
 
@@ -39,6 +42,8 @@ class WandbTracker(Tracker):
             mode=self.mode,
             dir=str(self.root),
             config=config,
+            id=self.run_id or None,
+            resume="allow" if self.run_id else None,
             reinit="create_new",
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
