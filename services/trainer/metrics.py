@@ -79,6 +79,13 @@ class TrainerMetrics:
             ["reason"],
             registry=r,
         )
+        self.reward_extra = Gauge(
+            "sparrow_trainer_reward_extra",
+            "Mean of a number field a reward returned beside its score (a dict reward's other fields), over the "
+            "last step's samples that returned it, per reward and field.",
+            ["reward", "field"],
+            registry=r,
+        )
         self.eval_avg = Gauge(
             "sparrow_trainer_eval_avg_reward",
             "Mean reward over the k samples of every eval prompt (avg@k), last evaluation, per source and mode "

@@ -17,7 +17,7 @@ from services.trainer.config import TrainerServiceConfig
 from sparrow.data import DataError, SampleSet, load_samples
 from sparrow.mix import Mix, Source
 from sparrow.prompts import ChatSettings, PreparedSource, Prompt, PromptError, Renderer, prepare_source, stop_token_ids
-from sparrow.reward_registry import DEFAULT_REWARD, REWARDS, RewardError, resolve_reward
+from sparrow.reward_registry import DEFAULT_REWARD, RewardError, resolve_reward, reward_names
 from sparrow.rows import RowShape, parse_row
 from sparrow.tasks import ChainTask
 from sparrow.tasks.dataset import DATA_SOURCE as CHAIN_SOURCE
@@ -59,7 +59,7 @@ def reward_name(config: TrainerServiceConfig, data_source: str) -> str:
         return r.by_source[data_source]
     if r.name:
         return r.name
-    return data_source if data_source in REWARDS else DEFAULT_REWARD
+    return data_source if data_source in reward_names() else DEFAULT_REWARD
 
 
 def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str | Path | None = None) -> TrainingData:
