@@ -32,6 +32,7 @@ class RewardError(ValueError):
 
 SPARROW, VERL, VERL_BATCH, TRL, VERIFIERS = "sparrow", "verl", "verl_batch", "trl", "verifiers"
 BATCHED = (VERL_BATCH, TRL)  # shapes that score a whole group in one call
+TRL_OWN = frozenset({"prompts", "completions", "completion_ids"})  # what TRL passes beside the row's columns
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ SHAPES = (
     _Shape(
         TRL,
         "completions",
-        frozenset({"prompts", "completions", "completion_ids"}),
+        TRL_OWN,
         open_names=True,
         usage="TRL's (prompts, completions, **kwargs)",
     ),
@@ -98,6 +99,13 @@ class Signature:
     shape: str
     names: frozenset[str] | None
     known: bool = True  # False: no signature to read (a builtin); called positionally, as a Sparrow reward
+    required: frozenset[str] = frozenset()  # parameters without a default
+
+    def missing_columns(self, columns: set[str]) -> list[str]:
+        """A TRL reward's required parameters that are neither its own nor a column of the rows (sorted)."""
+        if self.shape != TRL:
+            return []
+        return sorted(self.required - TRL_OWN - columns)
 
     @property
     def batched(self) -> bool:
@@ -134,7 +142,7 @@ def signature_of(fn: Callable, label: str) -> Signature:
             f"reward {label}: {getattr(fn, '__name__', 'the function')} must take {ACCEPTED}; "
             f"it has {_text(fn)}, which {why}"
         )
-    return Signature(fits[0].name, None if any_keywords else frozenset(names))
+    return Signature(fits[0].name, None if any_keywords else frozenset(names), required=frozenset(required))
 
 
 def _text(fn: Callable) -> str:

@@ -156,3 +156,12 @@ def test_the_core_names_no_service():
     core = Path(reward_registry.__file__).parent
     for path in core.rglob("*.py"):
         assert "services." not in path.read_text(), f"{path.name} names a service"
+
+
+def test_a_trl_reward_says_which_of_its_parameters_are_columns():
+    def reward(completions, solution, difficulty=1, **kwargs):
+        return [1.0] * len(completions)
+
+    sig = signature_of(reward, "t")
+    assert sig.missing_columns({"solution", "data_source"}) == []
+    assert sig.missing_columns({"data_source"}) == ["solution"]

@@ -38,6 +38,7 @@ def _verl(path, rows=3, role="user", answers=True):
         ("unknown reward", "unknown reward 'exact'"),
         ("unimportable reward", "cannot import"),
         ("reward of no shape", "score must take (response, ground_truth, extras); verl's (data_source"),
+        ("trl reward without its column", "takes solution, which not every row of source toy has (columns every"),
         ("eval without answers", "no row has an answer"),
     ],
 )
@@ -66,6 +67,9 @@ def test_bad_data_and_rewards(tmp_path, case, fragment):
         args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
     elif case == "reward of no shape":
         (tmp_path / "my_reward.py").write_text("def score(text, answer, meta):\n    return 1.0\n")
+        args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
+    elif case == "trl reward without its column":
+        (tmp_path / "my_reward.py").write_text("def score(completions, solution, **kwargs):\n    return [1.0]\n")
         args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
     elif case == "eval without answers":
         args += ["--eval-data", _verl(tmp_path / "test.parquet", answers=False)]
