@@ -15,6 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any
 
+from services.trainer.http_reward import is_http_reward
 from services.trainer.ledger import GroupLedger, GroupRecord
 from services.trainer.reward_pool import RewardPool, RewardResult
 from sparrow.reward_shapes import RewardInput
@@ -51,8 +52,12 @@ def reward_input(
 class RewardScorer:
     """Futures of every stored trajectory's reward, by (group, sample)."""
 
-    def __init__(self, pool: RewardPool, tokenizer, ledger: GroupLedger, options: dict[str, dict] | None = None):
+    def __init__(
+        self, pool: RewardPool, tokenizer, ledger: GroupLedger, options: dict[str, dict] | None = None, http=None
+    ):
+        """`http`: the HttpRewards that calls rewards given as URLs (services/trainer/http_reward.py)."""
         self.pool = pool
+        self.http = http
         self.tokenizer = tokenizer
         self.ledger = ledger
         self.options = options or {}
@@ -73,6 +78,8 @@ class RewardScorer:
         )  # fmt: skip
 
     def _batched(self, record: GroupRecord) -> bool:
+        if is_http_reward(record.reward):
+            return self.http is not None and self.http.config.batch_size > 1
         try:
             return self.pool.signature(record.reward).batched
         except ValueError:  # cannot load here: each call finds it again, and the pool counts it
@@ -80,7 +87,11 @@ class RewardScorer:
 
     def _submit(self, record: GroupRecord, samples) -> None:
         """One call over `samples` (held under the lock): each sample's key gets the Future and its place in it."""
-        future = self.pool.submit_inputs(record.reward, [self._input(record, t) for t in samples])
+        inputs = [self._input(record, t) for t in samples]
+        if is_http_reward(record.reward) and self.http is not None:
+            future = self.http.submit_inputs(record.reward, inputs)
+        else:
+            future = self.pool.submit_inputs(record.reward, inputs)
         for place, t in enumerate(samples):
             self._futures[(record.group_id, t.sample_index)] = (future, place, len(samples))
 

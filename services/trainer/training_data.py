@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.trainer.config import TrainerServiceConfig
+from services.trainer.http_reward import check_http_reward, is_http_reward
 from sparrow.data import DataError, SampleSet, load_samples
 from sparrow.mix import Mix, Source
 from sparrow.prompts import ChatSettings, PreparedSource, Prompt, PromptError, Renderer, prepare_source, stop_token_ids
@@ -87,6 +88,11 @@ def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str 
     rewards = {src: reward_name(config, src) for src in sources}
     signatures = {}
     for name in sorted(set(rewards.values()) | set(config.reward.by_source.values())):
+        if is_http_reward(name):  # served: the server must answer now, its shape is its JSON
+            problem = check_http_reward(name, config.reward.http.timeout_s)
+            if problem is not None:
+                raise DataInputError(problem)
+            continue
         try:
             signatures[name] = load_reward(name)[1]
         except RewardError as exc:
@@ -110,7 +116,7 @@ def _check_columns(sources: list[PreparedSource], rewards: dict[str, str], signa
             src = p.sample.data_source
             columns[src] = columns[src] & have if src in columns else have
     for src, have in sorted(columns.items()):
-        missing = signatures[rewards[src]].missing_columns(have)
+        missing = signatures[rewards[src]].missing_columns(have) if rewards[src] in signatures else []
         if missing:
             raise DataInputError(
                 f"reward {rewards[src]!r} takes {', '.join(missing)}, which not every row of source {src} has "
