@@ -7,6 +7,7 @@ import threading
 import time
 from contextlib import contextmanager
 
+import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -126,3 +127,44 @@ def test_an_http_reward_scores_retries_and_counts_every_failure_by_reason():
     finally:
         http.close()
         pool.close()
+
+
+@pytest.mark.slow
+def test_a_short_run_scored_by_a_reward_server_that_fails_some_calls(tmp_path):
+    from tests.integration.trainer_service.test_trainer_steps import _config, _metrics, _running, _steps
+    from tests.servers import redis_server
+
+    seen: dict = {"calls": 0}
+    app = FastAPI()
+
+    @app.post("/judge")
+    async def judge(request: Request):
+        body = await request.json()
+        seen["calls"] += 1
+        if seen["calls"] % 5 == 0:
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        assert body["extras"]["data_source"] == "chain" and body["ground_truth"]
+        return {"score": 1.0, "judged": 1.0}
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started, 30, "the reward server")
+    url = f"http://127.0.0.1:{port}/judge"
+    try:
+        with redis_server() as redis:
+            config = _config(tmp_path / "run", redis.url, steps=2, **{"reward.name": url, "reward.http.retries": 0})
+            with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
+                wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 240, "two steps", explain=service.waiting_for)
+                metrics = _metrics(service.metrics_port)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    steps = _steps(tmp_path / "run")
+    for s in steps:  # every sample scored: 1 from the server, or 0 with an error counted
+        assert s["samples"] == 8 and s["reward_errors"] + round(s["reward_mean"] * 8) == 8
+        assert s["reward_extra"].get(url, {"judged": 1.0}) == {"judged": 1.0}
+    # The 16 trained samples took at least 16 calls, so calls 5 and 10 failed (in these groups or in later ones).
+    unavailable = metrics["sparrow_trainer_reward_errors_total{reason=unavailable}"]
+    assert unavailable >= 2 and unavailable >= sum(s["reward_errors"] for s in steps)
