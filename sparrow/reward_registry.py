@@ -1,59 +1,96 @@
-"""Rewards by name: the built-in ones, and a user's `module:function` or `path/to/file.py:function`.
+"""Rewards by name: the built-in ones, those registered or installed as entry points, and a user's
+`module:function` or `path/to/file.py:function`.
 
-A reward is a plain function `(response: str, ground_truth: str | None, extras: dict) -> float | dict`:
+A reward is a plain function of one of the shapes in sparrow/reward_shapes.py, told apart by its
+parameter names: Sparrow's own `(response, ground_truth, extras) -> float | dict`, verl's
+`compute_score(data_source, solution_str, ground_truth, extra_info)` and its batch form, TRL's
+`(prompts, completions, **kwargs) -> list`, or the verifiers library's. In Sparrow's shape,
 `response` is the decoded completion (special tokens left out), `ground_truth` the row's answer
-(`reward_model.ground_truth`, or `answer_key`), `extras` the row's `extra_info` plus `data_source`
-and, under `"options"`, the reward's own settings from the config (`[reward.options.<name>]`), and
-under `"time_budget_s"` the seconds the call has before the trainer gives up on it. A dict
-result must hold `score`; its other number fields are kept as the sample's reward info. A reward
-may be slow and do I/O (a sandboxed code run): the trainer calls it in a worker process with a
-timeout (services/trainer/reward_pool.py), so it need not be thread-safe or fast.
+(`reward_model.ground_truth`, or `answer_key`), `extras` the row's `extra_info` plus `data_source`,
+under `"columns"` the row's other fields, under `"options"` the reward's own settings from the
+config (`[reward.options.<name>]`), and under `"time_budget_s"` the seconds the call has before the
+trainer gives up on it. A dict result must hold `score`; its other number fields are kept as the
+sample's reward info (exported per field). A reward may be slow and do I/O: the trainer calls it
+in a worker process with a timeout (services/trainer/reward_pool.py), so it need not be thread-safe
+or fast.
 
-Built-in names map to import paths (strings), so worker processes import them lazily; a new
-built-in is one line in REWARDS.
+Names map to import paths (strings), so worker processes import them lazily. The core's built-ins
+are REWARDS; other packages add names by `register_reward` (safe to call twice) or by an entry point
+in the `sparrow.rewards` group whose value is the import path (`code = "pkg.module:fn"`), which
+every process of the environment finds, the reward workers included.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
-import math
+import logging
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-RewardFn = Callable[[str, str | None, dict], Any]
+from sparrow.reward_shapes import RewardError, Signature, coerce_score, signature_of
+
+__all__ = ["RewardError", "coerce_score", "load_reward", "register_reward", "resolve_reward", "reward_target"]
+
+log = logging.getLogger("sparrow.rewards")
+
+RewardFn = Callable[..., Any]
+ENTRY_POINT_GROUP = "sparrow.rewards"
 
 REWARDS: dict[str, str] = {
     "chain": "sparrow.rewards:chain_score",
     "boxed": "sparrow.rewards:boxed_score",
     "math": "sparrow.rewards_math:math_verify_score",
-    # Runs the response's code in the sandbox service (services/sandbox/); imported by name in the reward
-    # workers only, so the core never loads the HTTP client.
-    "code": "services.sandbox.reward:code_score",
 }
 DEFAULT_REWARD = "math"
-# Seconds a call may take, for built-ins whose calls wait on a service: `code` covers a request at the
-# sandbox's max_request_s (120 s) and a minute of waiting through a restarting or busy sandbox. Others:
-# `[reward] timeout_s`; `[reward] timeouts` overrides both by name.
-REWARD_TIMEOUTS: dict[str, float] = {"code": 180.0}
+# Seconds a call may take, for registered rewards whose calls wait on a service (register_reward's timeout_s).
+# Others: `[reward] timeout_s`; `[reward] timeouts` overrides both by name.
+REWARD_TIMEOUTS: dict[str, float] = {}
 BUDGET_KEY = "time_budget_s"
 """extras[BUDGET_KEY]: the seconds a call has before the pool gives up on it (a reward that retries fits in it)"""
 
+_registered: dict[str, str] = {}
 
-class RewardError(ValueError):
-    """A reward that cannot be found, imported or called with the reward signature; one line."""
+
+def register_reward(name: str, target: str, timeout_s: float | None = None) -> None:
+    """Make `name` a reward resolving to `target` (`module:function`); the same again is a no-op, another
+    target for a taken name a ValueError. `timeout_s`: the name's default call timeout."""
+    taken = REWARDS.get(name) or _registered.get(name)
+    if taken is not None and taken != target:
+        raise ValueError(f"reward name {name!r} is taken by {taken}")
+    _registered[name] = target
+    if timeout_s is not None:
+        REWARD_TIMEOUTS[name] = timeout_s
+
+
+def reward_names() -> list[str]:
+    """Every name a reward can be given by: built-in, registered, or installed as an entry point."""
+    return sorted({*REWARDS, *_registered, *_entry_points()})
+
+
+def _entry_points() -> dict[str, str]:
+    try:
+        return {ep.name: ep.value for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    except Exception as exc:  # a broken distribution's metadata must not stop a start over other names
+        log.warning("cannot read the %s entry points (%s)", ENTRY_POINT_GROUP, exc)
+        return {}
 
 
 def reward_target(name: str) -> str:
     """The import target (`module:function` or `file.py:function`) of a reward name or target."""
     if name in REWARDS:
         return REWARDS[name]
+    if name in _registered:
+        return _registered[name]
     if ":" not in name:
+        installed = _entry_points()
+        if name in installed:
+            return installed[name]
         raise RewardError(
-            f"unknown reward {name!r}: use one of {', '.join(sorted(REWARDS))}, "
+            f"unknown reward {name!r}: use one of {', '.join(reward_names())}, "
             "or module:function, or path/to/file.py:function"
         )
     return name
@@ -67,7 +104,13 @@ def reward_timeout(name: str, timeout_s: float, timeouts: dict[str, float] | Non
 
 
 def resolve_reward(name: str) -> RewardFn:
-    """The function of a reward name; RewardError (one line) when it cannot be imported or is not callable."""
+    """The function of a reward name; RewardError (one line) when it cannot be imported, is not callable,
+    or takes none of the reward shapes."""
+    return load_reward(name)[0]
+
+
+def load_reward(name: str) -> tuple[RewardFn, Signature]:
+    """The function of a reward name and the shape it declares; RewardError (one line) as resolve_reward."""
     target = reward_target(name)
     module_name, _, attr = target.rpartition(":")
     if not module_name or not attr:
@@ -84,15 +127,7 @@ def resolve_reward(name: str) -> RewardFn:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise RewardError(f"reward {name!r}: {module_name} has no function {attr!r}")
-    try:
-        inspect.signature(fn).bind("", None, {})
-    except TypeError:
-        raise RewardError(
-            f"reward {name!r}: {attr} must take (response, ground_truth, extras); it has {inspect.signature(fn)}"
-        ) from None
-    except ValueError:
-        pass  # builtins without a signature: let the call decide
-    return fn
+    return fn, signature_of(fn, repr(name))
 
 
 def _load_file(path: Path):
@@ -108,28 +143,3 @@ def _load_file(path: Path):
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def coerce_score(value: Any) -> tuple[float, dict[str, float], str | None]:
-    """(score, info, error reason or None) of what a reward returned: a number, or a dict with `score`."""
-    info: dict[str, float] = {}
-    if isinstance(value, dict):
-        if "score" not in value:
-            return 0.0, {}, "bad_value"
-        info = {
-            str(k): float(v)
-            for k, v in value.items()
-            if k != "score" and isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        }
-        value = value["score"]
-    if isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, int | float):
-        return 0.0, {}, "bad_value"
-    try:
-        score = float(value)
-    except OverflowError:
-        return 0.0, {}, "non_finite"
-    if not math.isfinite(score):
-        return 0.0, {}, "non_finite"
-    return score, info, None

@@ -4,6 +4,7 @@ verl's shape: `prompt` is a list of chat messages (`{role, content}`), `data_sou
 source, `reward_model.ground_truth` holds the answer and `extra_info` anything else. The plain
 shape: a prompt string (or chat messages) under `prompt_key` and an answer (a string or a number)
 under `answer_key`; GSM8K's answers (`... #### 42`) go through `answer_extraction = "gsm8k"`.
+Every field but the prompt is kept as the sample's `columns`, for rewards that read them (TRL's).
 A row that fits neither is a `BadRow` naming the field at fault; nothing here raises on row content.
 """
 
@@ -43,6 +44,7 @@ class Sample:
     row: int  # row number within its file (JSONL: line number), counted from 1
     file: str = ""
     extras: dict[str, Any] = field(default_factory=dict, compare=False)
+    columns: dict[str, Any] = field(default_factory=dict, compare=False)  # the row's fields but its prompt
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -98,6 +100,7 @@ def parse_row(
         row=line,
         file=file,
         extras=extras,
+        columns={k: v for k, v in record.items() if k != shape.prompt_key},
     )
 
 

@@ -166,6 +166,7 @@ def evaluate_dataset(
 
     from services.trainer.config import TrainerServiceConfig
     from services.trainer.reward_pool import RewardPool
+    from services.trainer.rewarding import reward_input
     from services.trainer.training_data import DataInputError, build_training_data
     from trainer.evaluate_data import evaluate_prompts
     from trainer.model_io import ModelLoadError, load_model, load_tokenizer
@@ -190,9 +191,13 @@ def evaluate_dataset(
 
     def score(prompt, texts):
         s = prompt.sample
-        extras = {**s.extras, "data_source": s.data_source, "options": {}}
-        futures = [pool.submit(data.rewards[s.data_source], t, s.ground_truth, extras) for t in texts]
-        return [f.result().score for f in futures]
+        reward = data.rewards[s.data_source]
+        prompt_as_row = s.prompt if isinstance(s.prompt, str) else list(s.prompt)
+        inputs = [reward_input(t, s.ground_truth, s.data_source, s.extras, s.columns, prompt_as_row, {}) for t in texts]
+        if pool.signature(reward).batched:  # TRL's and verl's batch form score the prompt's samples in one call
+            return [r.score for r in pool.submit_inputs(reward, inputs).result()]
+        futures = [pool.submit_inputs(reward, [i]) for i in inputs]
+        return [f.result()[0].score for f in futures]
 
     try:
         with torch.no_grad():

@@ -227,6 +227,7 @@ class History:
             "elapsed_s": round(time.time() - self.started, 3),
             "reward": step.get("reward_mean"),
             "accuracy": step.get("accuracy"),
+            "reward_extra": step.get("reward_extra", {}),
             "response_length": step.get("response_length"),
             "samples": step.get("samples"),
             "alpha_mean": step.get("alpha_mean"),

@@ -104,6 +104,21 @@ class DataConfig(ConfigSection):
     seed: int = Field(0, ge=0, description="Seed of the mix and the shuffles.")
 
 
+class HttpRewardConfig(ConfigSection):
+    """A reward served over HTTP (`name = "http://host:port/path"`), called by one async client in the trainer."""
+
+    timeout_s: float = Field(10.0, gt=0, description="Seconds one request may take; longer is a timeout (retried).")
+    retries: int = Field(
+        2, ge=0, le=10, description="Retries of a request that timed out, was refused or got a 5xx/429."
+    )
+    backoff_s: float = Field(0.5, ge=0, description="Wait before the first retry; doubled at each further one.")
+    max_concurrency: int = Field(16, ge=1, le=4096, description="Requests in flight at most, over the whole trainer.")
+    token: str = Field("", description="Sent as `Authorization: Bearer <token>`; empty: no header.")
+    batch_size: int = Field(
+        1, ge=1, le=1024, description="Samples per request: 1 posts one object, more post {items: [...]} of a group."
+    )
+
+
 class RewardConfig(ConfigSection):
     """Rewards (sparrow/reward_registry.py), computed in worker processes as trajectories arrive."""
 
@@ -125,6 +140,9 @@ class RewardConfig(ConfigSection):
     )
     options: dict[str, dict[str, Any]] = Field(
         {}, description="Settings per reward name, given to the reward as extras['options']."
+    )
+    http: HttpRewardConfig = Field(
+        default_factory=HttpRewardConfig, description="Rewards given as http:// or https:// URLs."
     )
 
 

@@ -118,6 +118,8 @@ class Evaluator:
                         data_source=sample.data_source,
                         reward=self.data.rewards[sample.data_source],
                         extras=sample.extras,
+                        columns=sample.columns,
+                        row_prompt=sample.prompt if isinstance(sample.prompt, str) else list(sample.prompt),
                         purpose=EVAL,
                         dense=mode == DENSE,
                     )

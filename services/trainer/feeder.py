@@ -149,6 +149,8 @@ class Feeder:
             data_source=sample.data_source,
             reward=self.settings.data.rewards[sample.data_source],
             extras=sample.extras,
+            columns=sample.columns,
+            row_prompt=sample.prompt if isinstance(sample.prompt, str) else list(sample.prompt),
         )
         self.ledger.add(record)
         return record

@@ -52,6 +52,8 @@ class GroupRecord:
     data_source: str = "chain"  # ledgers written before datasets held chain groups only
     reward: str = "chain"
     extras: dict = field(default_factory=dict)  # the row's extra_info, for the reward
+    columns: dict = field(default_factory=dict)  # the row's other fields (its prompt left out), for the reward
+    row_prompt: str | list = ""  # the row's prompt as it held it (text or chat messages), for the reward
     purpose: str = TRAIN  # or EVAL: a held-out prompt of an evaluation round, scored and never trained
     dense: bool = False  # generated with dense attention whatever the schedule (evaluation rounds)
 

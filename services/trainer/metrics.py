@@ -13,7 +13,7 @@ from services.trainer.tail_metrics import TailMetrics
 from sparrow import metrics_contract as mc
 
 ACK_STATUSES = ("accepted", "duplicate", "rejected")
-REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed")
+REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed", "unavailable")
 # Step time spans seconds (tiny CPU models) to many minutes (long-context GPU steps).
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 
@@ -77,6 +77,13 @@ class TrainerMetrics:
             "sparrow_trainer_reward_errors",
             "Reward calls that scored 0 because the reward timed out, raised, or returned no finite score.",
             ["reason"],
+            registry=r,
+        )
+        self.reward_extra = Gauge(
+            "sparrow_trainer_reward_extra",
+            "Mean of a number field a reward returned beside its score (a dict reward's other fields), over the "
+            "last step's samples that returned it, per reward and field.",
+            ["reward", "field"],
             registry=r,
         )
         self.eval_avg = Gauge(

@@ -1,5 +1,8 @@
 """Rewards computed in worker processes as trajectories arrive, each call under a timeout.
 
+A task is one call: one completion for the rewards that score one at a time, a whole group for the
+batched shapes (sparrow/reward_shapes.py); its Future resolves to one RewardResult per completion.
+
 A reward is user code (or math-verify, or a sandboxed code run): it may be slow, raise, hang or
 return nonsense. Each worker process runs one call at a time in its main thread; a slot thread
 per worker hands it the next task and waits at most `timeout_s`. A call that raises, returns no
@@ -18,13 +21,13 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
-import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.trainer.metrics import REWARD_ERROR_REASONS as REASONS
-from sparrow.reward_registry import BUDGET_KEY, REWARD_TIMEOUTS, coerce_score, resolve_reward, reward_timeout
+from sparrow.reward_registry import BUDGET_KEY, REWARD_TIMEOUTS, load_reward, reward_timeout
+from sparrow.reward_shapes import RewardCaller, RewardInput, Signature
 
 log = logging.getLogger("sparrow.trainer.rewards")
 
@@ -43,16 +46,15 @@ class RewardResult:
 @dataclass(frozen=True)
 class _Task:
     reward: str
-    response: str
-    ground_truth: str | None
-    extras: dict[str, Any]
+    inputs: list[RewardInput]
     future: Future
 
 
 def _worker_main(conn) -> None:
     """A worker process. ("load", reward) imports a reward, answered with an error text or None;
-    ("call", reward, response, ground truth, extras) is answered with (score, info, reason, detail)."""
-    functions: dict[str, Any] = {}
+    ("call", reward, inputs) is answered with a (score, info, reason, detail) per input."""
+    functions: dict[str, tuple[Any, Signature]] = {}
+    caller = RewardCaller()
     while True:
         try:
             message = conn.recv()
@@ -62,32 +64,17 @@ def _worker_main(conn) -> None:
             return
         if message[0] == "load":
             try:
-                functions[message[1]] = resolve_reward(message[1])
+                functions[message[1]] = load_reward(message[1])
                 answer: Any = None
             except Exception as exc:
                 answer = str(exc)
         else:
-            answer = _call(functions, *message[1:])
+            fn, sig = functions[message[1]]
+            answer = caller.score(fn, sig, message[2])
         try:
             conn.send(answer)
         except (OSError, ValueError):
             return
-
-
-def _call(functions: dict, reward: str, response: str, ground_truth: str | None, extras: dict) -> tuple:
-    try:
-        value = functions[reward](response, ground_truth, extras)
-    except BaseException as exc:  # a reward's own bug; SystemExit and KeyboardInterrupt too
-        last = traceback.extract_tb(exc.__traceback__)[-1:]
-        where = f" at {last[0].filename}:{last[0].lineno}" if last else ""
-        return 0.0, {}, "raised", f"{type(exc).__name__}: {exc}{where}"
-    score, info, reason = coerce_score(value)
-    return score, info, reason, "" if reason is None else f"returned {_short(value)}"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 class _Slot:
@@ -152,27 +139,31 @@ class _Slot:
             self.loaded.add(reward)
         return None
 
-    def _call(self, task: _Task) -> RewardResult:
+    def _call(self, task: _Task) -> list[RewardResult]:
+        n = len(task.inputs)
         try:
             failure = self._load(task.reward)
             if failure is not None:
-                return self.pool.failed(task.reward, *failure)
+                return self.pool.failed(task.reward, *failure, n)
             timeout = self.pool.timeout_for(task.reward)
-            extras = {**task.extras, BUDGET_KEY: timeout}
-            self.conn.send(("call", task.reward, task.response, task.ground_truth, extras))
+            inputs = [replace(i, extras={**i.extras, BUDGET_KEY: timeout}) for i in task.inputs]
+            self.conn.send(("call", task.reward, inputs))
             if not self.conn.poll(timeout):
                 self._kill()
-                return self.pool.failed(task.reward, "timeout", f"no score within {timeout:g} s")
-            score, info, reason, detail = self.conn.recv()
+                return self.pool.failed(task.reward, "timeout", f"no score within {timeout:g} s", n)
+            answers = self.conn.recv()
+            if not isinstance(answers, list) or len(answers) != n:
+                raise ValueError(f"the worker answered {type(answers).__name__} for {n} inputs")
         except (EOFError, OSError) as exc:
             self._kill()
-            return self.pool.failed(task.reward, "crashed", f"the worker process died ({type(exc).__name__})")
+            return self.pool.failed(task.reward, "crashed", f"the worker process died ({type(exc).__name__})", n)
         except Exception as exc:  # the answer did not unpickle, or the task did not pickle
             self._kill()
-            return self.pool.failed(task.reward, "bad_value", f"{type(exc).__name__}: {exc}")
-        if reason is not None:
-            return self.pool.failed(task.reward, reason, detail)
-        return RewardResult(score, info)
+            return self.pool.failed(task.reward, "bad_value", f"{type(exc).__name__}: {exc}", n)
+        results = []
+        for score, info, reason, detail in answers:
+            results += [RewardResult(score, info)] if reason is None else self.pool.failed(task.reward, reason, detail)
+        return results
 
 
 class RewardPool:
@@ -196,6 +187,7 @@ class RewardPool:
         self.errors = errors_counter
         self._logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._signatures: dict[str, Signature] = {}
         self.error_counts: dict[str, int] = dict.fromkeys(REASONS, 0)
         self.slots = [_Slot(self, i) for i in range(workers)]
         for slot in self.slots:
@@ -205,11 +197,27 @@ class RewardPool:
         """Seconds one call of `reward` may take (sparrow.reward_registry.reward_timeout)."""
         return reward_timeout(reward, self.timeout_s, self.timeouts)
 
-    def submit(self, reward: str, response: str, ground_truth: str | None, extras: dict[str, Any]) -> Future:
-        """Queue one reward call; its Future resolves to a RewardResult (score 0 on any failure)."""
+    def signature(self, reward: str) -> Signature:
+        """The shape a reward declares, read in this process (RewardError when it cannot be loaded)."""
+        with self._lock:
+            if reward not in self._signatures:
+                self._signatures[reward] = load_reward(reward)[1]
+            return self._signatures[reward]
+
+    def submit_inputs(self, reward: str, inputs: list[RewardInput]) -> Future:
+        """Queue one reward call over `inputs` (one, or a group for a batched reward); its Future resolves to
+        a RewardResult per input, in order (score 0 on any failure)."""
         future: Future = Future()
-        self.tasks.put(_Task(reward, response, ground_truth, extras, future))
+        self.tasks.put(_Task(reward, list(inputs), future))
         return future
+
+    def submit(self, reward: str, response: str, ground_truth: str | None, extras: dict[str, Any]) -> Future:
+        """Queue one call for one completion; its Future resolves to a RewardResult (score 0 on any failure)."""
+        one: Future = Future()
+        item = RewardInput(response, ground_truth, extras, data_source=str(extras.get("data_source", "")),
+                           extra_info=extras, options=dict(extras.get("options") or {}))  # fmt: skip
+        self.submit_inputs(reward, [item]).add_done_callback(lambda f: one.set_result(f.result()[0]))
+        return one
 
     def describe(self) -> str:
         """What the workers are doing and how many calls wait for one, e.g. "2 idle, 2 importing chain; 0 queued"."""
@@ -219,17 +227,17 @@ class RewardPool:
         busy = ", ".join(f"{n} {what}" for what, n in sorted(doing.items()))
         return f"{busy}; {self.tasks.qsize()} queued"
 
-    def failed(self, reward: str, reason: str, detail: str) -> RewardResult:
-        """Count and (once per reward and reason) log a failed call; its score is 0."""
+    def failed(self, reward: str, reason: str, detail: str, n: int = 1) -> list[RewardResult]:
+        """Count and (once per reward and reason) log a failure of `n` completions; each scores 0."""
         with self._lock:
-            self.error_counts[reason] = self.error_counts.get(reason, 0) + 1
+            self.error_counts[reason] = self.error_counts.get(reason, 0) + n
             first = (reward, reason) not in self._logged
             self._logged.add((reward, reason))
         if self.errors is not None:
-            self.errors.labels(reason=reason).inc()
+            self.errors.labels(reason=reason).inc(n)
         if first:
             log.warning("reward %s: %s (%s); scored 0, counted, logged once", reward, reason, detail)
-        return RewardResult(0.0, {}, reason)
+        return [RewardResult(0.0, {}, reason)] * n
 
     def close(self) -> None:
         """Stop every worker (tasks still queued resolve first)."""

@@ -56,6 +56,7 @@ class TrainerService:
 
     def __init__(self, config: TrainerServiceConfig) -> None:
         from services.trainer.feeder import Feeder, FeedSettings
+        from services.trainer.http_reward import HttpRewards, is_http_reward
         from services.trainer.ranks import (
             Leader,
             apply_optim_settings,
@@ -110,9 +111,12 @@ class TrainerService:
             r.timeout_s,
             self.metrics.reward_errors,
             r.timeouts,
-            preload=tuple(sorted(set(self.data.rewards.values()))),
+            preload=tuple(sorted(n for n in set(self.data.rewards.values()) if not is_http_reward(n))),
         )
-        self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options)
+        self.http_rewards = None
+        if any(is_http_reward(n) for n in self.data.rewards.values()):
+            self.http_rewards = HttpRewards(r.http, self.reward_pool)
+        self.rewards = RewardScorer(self.reward_pool, self.tokenizer, self.ledger, r.options, self.http_rewards)
         self.sampling = Sampling(s.temperature, s.top_p, s.max_new_tokens, s.top_logprobs, self.data.stop_ids)
         self.feeder = Feeder(
             self._redis(),
@@ -379,6 +383,8 @@ class TrainerService:
                 self._http.shutdown()
                 self._http.server_close()
             self.reward_pool.close()
+            if self.http_rewards is not None:
+                self.http_rewards.close()
             self.store.close()
             self.ledger.close()
             self.feeder.client.close()

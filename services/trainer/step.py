@@ -68,6 +68,8 @@ class StepReport:
     distill: dict = field(default_factory=dict)  # the adapter's figures (services/trainer/distill_step.py)
     reward_by_source: dict = field(default_factory=dict)  # data_source -> mean reward of its samples
     reward_errors: int = 0  # samples scored 0 because their reward timed out, raised or returned no finite score
+    # reward -> {field: mean}: the number fields a dict reward returned beside its score, over the samples with them
+    reward_extra: dict = field(default_factory=dict)
     finished_stop: int = 0  # samples that ended at a stop id (an eos of the model or the config)
     finished_length: int = 0  # samples that ran to max_new_tokens
     finished_other: int = 0  # neither: a generator that stopped elsewhere (never expected)
@@ -184,6 +186,7 @@ class StepRunner:
         start = time.monotonic()
         rollouts, rewards, advantages = [], [], []
         by_source: dict[str, list[float]] = {}
+        extra: dict[str, dict[str, list[float]]] = {}
         errors = 0
         ends = {"stop": 0, "length": 0, "other": 0}
         for gid in group_ids:
@@ -192,6 +195,9 @@ class StepRunner:
             results = self.rewards.group_scores(record, samples)
             group_rewards = [r.score for r in results]
             errors += sum(r.error is not None for r in results)
+            for r in results:
+                for name, value in r.info.items():
+                    extra.setdefault(record.reward, {}).setdefault(name, []).append(value)
             by_source.setdefault(record.data_source, []).extend(group_rewards)
             for t in samples:
                 if t.token_ids and t.token_ids[-1] in self.stop_ids:
@@ -257,6 +263,10 @@ class StepRunner:
             distill=distilled,
             reward_by_source={src: sum(v) / len(v) for src, v in sorted(by_source.items())},
             reward_errors=errors,
+            reward_extra={
+                reward: {name: sum(v) / len(v) for name, v in sorted(fields.items())}
+                for reward, fields in sorted(extra.items())
+            },
             finished_stop=ends["stop"],
             finished_length=ends["length"],
             finished_other=ends["other"],
@@ -267,6 +277,9 @@ class StepRunner:
     def _export(self, r: StepReport) -> None:
         m = self.metrics
         m.reward_mean.set(r.reward_mean)
+        for reward, fields in r.reward_extra.items():
+            for name, value in fields.items():
+                m.reward_extra.labels(reward=reward, field=name).set(value)
         m.accuracy.set(r.accuracy)
         m.response_length.set(r.response_length)
         m.tis_clip.set(r.tis_clip_fraction)

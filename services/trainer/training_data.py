@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.trainer.config import TrainerServiceConfig
+from services.trainer.http_reward import check_http_reward, is_http_reward
 from sparrow.data import DataError, SampleSet, load_samples
 from sparrow.mix import Mix, Source
 from sparrow.prompts import ChatSettings, PreparedSource, Prompt, PromptError, Renderer, prepare_source, stop_token_ids
-from sparrow.reward_registry import DEFAULT_REWARD, REWARDS, RewardError, resolve_reward
+from sparrow.reward_registry import DEFAULT_REWARD, RewardError, load_reward, reward_names
 from sparrow.rows import RowShape, parse_row
 from sparrow.tasks import ChainTask
 from sparrow.tasks.dataset import DATA_SOURCE as CHAIN_SOURCE
@@ -59,7 +60,7 @@ def reward_name(config: TrainerServiceConfig, data_source: str) -> str:
         return r.by_source[data_source]
     if r.name:
         return r.name
-    return data_source if data_source in REWARDS else DEFAULT_REWARD
+    return data_source if data_source in reward_names() else DEFAULT_REWARD
 
 
 def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str | Path | None = None) -> TrainingData:
@@ -85,11 +86,18 @@ def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str 
         raise DataInputError(str(exc)) from None
     sources = sorted({p.sample.data_source for s in [*train, *held] for p in s.prompts})
     rewards = {src: reward_name(config, src) for src in sources}
+    signatures = {}
     for name in sorted(set(rewards.values()) | set(config.reward.by_source.values())):
+        if is_http_reward(name):  # served: the server must answer now, its shape is its JSON
+            problem = check_http_reward(name, config.reward.http.timeout_s)
+            if problem is not None:
+                raise DataInputError(problem)
+            continue
         try:
-            resolve_reward(name)
+            signatures[name] = load_reward(name)[1]
         except RewardError as exc:
             raise DataInputError(str(exc)) from None
+    _check_columns([*train, *held], rewards, signatures)
     stops = stop_token_ids(tokenizer, model_dir or config.model_dir, tuple(config.sampling.stop_token_ids))
     if not stops:
         raise DataInputError("no stop token: the tokenizer and generation_config.json name no eos; set stop_token_ids")
@@ -97,6 +105,23 @@ def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str 
     for line in describe(data):
         log.info("%s", line)
     return data
+
+
+def _check_columns(sources: list[PreparedSource], rewards: dict[str, str], signatures: dict) -> None:
+    """A TRL reward that names a column some of its rows lack would fail every call: refused at start."""
+    columns: dict[str, set[str]] = {}
+    for s in sources:
+        for p in s.prompts:
+            have = set(p.sample.columns)
+            src = p.sample.data_source
+            columns[src] = columns[src] & have if src in columns else have
+    for src, have in sorted(columns.items()):
+        missing = signatures[rewards[src]].missing_columns(have) if rewards[src] in signatures else []
+        if missing:
+            raise DataInputError(
+                f"reward {rewards[src]!r} takes {', '.join(missing)}, which not every row of source {src} has "
+                f"(columns every row has: {', '.join(sorted(have)) or 'none'})"
+            )
 
 
 def describe(data: TrainingData) -> list[str]:

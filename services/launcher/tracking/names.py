@@ -13,6 +13,8 @@ Names are stable (dashboards are built on them) and grouped by prefix:
     rollout/   the generators: rollout/generated_tokens, rollout/tokens_per_s (wall), rollout/engine_tokens_per_s
                (per second of engine time), rollout/sparse_token_fraction, rollout/attended_kv_fraction,
                rollout/<generator>/policy_version, rollout/<generator>/adapter_version
+    reward/    the number fields a dict reward returns beside its score, per reward: reward/<reward>/<field>,
+               <reward> being the reward's name, or for a file the file and function (`my_rewards.py:score`)
     eval/      evaluation: a row's `eval` table and every `eval_*` field, flattened (eval_avg@4 -> eval/avg@4,
                eval = {"math": {"pass@4": x}} -> eval/math/pass@4); and the history's evaluation rows
                (`tracked_eval_metrics`), at the step the round ran after: eval/<mode>/<source>/<figure> (mode
@@ -93,6 +95,9 @@ def tracked_metrics(row: dict) -> dict[str, float]:
         elif key in GENERATORS and isinstance(value, dict):
             for name, v in value.items():
                 _flatten(f"rollout/{name}/{GENERATORS[key]}", v, out)
+        elif key == "reward_extra" and isinstance(value, dict):
+            for reward, fields in value.items():
+                _flatten(f"reward/{str(reward).rsplit('/', 1)[-1]}", fields, out)
         elif key == "schedule_budgets":
             for b, v in enumerate(value or []):
                 _flatten(f"schedule/bin_{b}/budget", v, out)

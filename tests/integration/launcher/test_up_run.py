@@ -90,6 +90,10 @@ def test_three_steps_end_to_end_then_nothing_is_left_running(tmp_path):
         assert (run_dir / "services" / f"{name}.toml").is_file()
     for name in ("trainer", "gen-0", "redis", "prometheus", "up"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0
+    # A clean stop is quiet: no service's log holds a traceback (a stopping gRPC server's cancelled calls included).
+    for log_file in (run_dir / "logs").glob("*.log"):
+        text = log_file.read_text(errors="replace")
+        assert "Traceback (most recent call last)" not in text and "CancelledError" not in text, log_file.name
     assert list((run_dir / "trainer" / "checkpoints").glob("step-*"))
 
     # No child process survives the launcher.

@@ -37,6 +37,9 @@ def _verl(path, rows=3, role="user", answers=True):
         ("all too long", "no prompt left after templating (3 over max_prompt_tokens = 4"),
         ("unknown reward", "unknown reward 'exact'"),
         ("unimportable reward", "cannot import"),
+        ("reward of no shape", "score must take (response, ground_truth, extras); verl's (data_source"),
+        ("reward server down", "/score: no server answers at 127.0.0.1:"),
+        ("trl reward without its column", "takes solution, which not every row of source toy has (columns every"),
         ("eval without answers", "no row has an answer"),
     ],
 )
@@ -62,6 +65,16 @@ def test_bad_data_and_rewards(tmp_path, case, fragment):
         args += ["--reward", "exact"]
     elif case == "unimportable reward":
         (tmp_path / "my_reward.py").write_text("import no_such_module_anywhere\n")
+        args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
+    elif case == "reward of no shape":
+        (tmp_path / "my_reward.py").write_text("def score(text, answer, meta):\n    return 1.0\n")
+        args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
+    elif case == "reward server down":
+        from tests.servers import free_port
+
+        args += ["--reward", f"http://127.0.0.1:{free_port()}/score"]
+    elif case == "trl reward without its column":
+        (tmp_path / "my_reward.py").write_text("def score(completions, solution, **kwargs):\n    return [1.0]\n")
         args += ["--reward", f"{tmp_path / 'my_reward.py'}:score"]
     elif case == "eval without answers":
         args += ["--eval-data", _verl(tmp_path / "test.parquet", answers=False)]

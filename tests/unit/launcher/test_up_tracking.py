@@ -65,6 +65,9 @@ def test_a_row_is_tracked_under_stable_names_grouped_by_prefix():
     assert m["rollout/gen-0/policy_version"] == 2 and m["rollout/sparse_token_fraction"] == 0.6
     assert m["eval/avg_at_4"] == 0.5 and m["eval/math/pass@4"] == 0.75
     assert m["train/reward_format"] == 0.1  # a field a newer trainer adds
+    extra = {"reward_extra": {"/data/my_rewards.py:compute_score": {"acc": 1.0}, "math": {"format": 0.5}}}
+    m2 = tracked_metrics(row(2, **extra))
+    assert m2["reward/my_rewards.py:compute_score/acc"] == 1.0 and m2["reward/math/format"] == 0.5
     # None, NaN and the row's own step/time are left out.
     assert "rollout/tokens_per_s" not in m and "rollout/engine_tokens_per_s" not in m
     assert "train/kl_rollout_dense" not in m and "train/step" not in m and "train/time" not in m

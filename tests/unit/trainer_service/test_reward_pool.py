@@ -123,3 +123,66 @@ def test_preloaded_rewards_are_imported_by_every_worker_before_the_first_call(us
         assert registry.get_sample_value("sparrow_trainer_reward_errors_total", {"reason": "raised"}) == 1.0
     finally:
         pool.close()
+
+
+BATCHED_REWARDS = """
+from pathlib import Path
+
+def per_group(prompts, completions, completion_ids, level, **kwargs):
+    # One line per call, naming how many completions it had: a batched reward must see whole groups.
+    with Path(kwargs["extra_info"][0]["log"]).open("a") as f:
+        f.write(f"{len(completions)}\\n")
+    assert all(p == prompts[0] for p in prompts) and level == [2] * len(completions)
+    return [float(c == "ok") * l for c, l in zip(completions, level)]
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0]
+"""
+
+
+class _Decoder:
+    """The tokenizer's decode, as the scorer uses it: token ids are indices into WORDS."""
+
+    WORDS = ["ok", "no"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.WORDS[i] for i in ids)
+
+
+def _group(tmp_path, reward: str, n: int = 4):
+    from services.trainer.ledger import GroupRecord
+
+    extras = {"log": str(tmp_path / "calls.log")}
+    return GroupRecord(
+        index=0, group_id="g0", prompt_token_ids=(1, 2), n=n, answer="ok", policy_version=1, max_new_tokens=4,
+        prompt_text="Say ok.", data_source="toy", reward=reward, extras=extras,
+        columns={"data_source": "toy", "level": 2, "extra_info": extras}, row_prompt="Say ok.",
+    )  # fmt: skip
+
+
+def test_a_batched_reward_is_called_once_per_complete_group(tmp_path):
+    from types import SimpleNamespace
+
+    from services.trainer.rewarding import RewardScorer
+
+    path = tmp_path / "batched.py"
+    path.write_text(BATCHED_REWARDS)
+    pool = RewardPool(workers=2, timeout_s=30.0)
+    try:
+        scorer = RewardScorer(pool, _Decoder(), ledger=None)
+        record = _group(tmp_path, f"{path}:per_group")
+        samples = [SimpleNamespace(group_id="g0", sample_index=i, token_ids=[i % 2]) for i in range(4)]
+        for t in samples[:3]:
+            scorer.on_trajectory(t, record)
+        time.sleep(1.0)
+        assert pool.tasks.qsize() == 0 and not (tmp_path / "calls.log").exists()  # nothing called on 3 of 4
+        scorer.on_trajectory(samples[3], record)
+        assert [r.score for r in scorer.group_scores(record, samples)] == [2.0, 0.0, 2.0, 0.0]
+        # Read back after a restart (never seen arriving): scored in one call, all together.
+        assert [r.score for r in scorer.group_scores(record, samples[::-1])] == [0.0, 2.0, 0.0, 2.0]
+        assert (tmp_path / "calls.log").read_text().split() == ["4", "4"]
+        short = _group(tmp_path, f"{path}:wrong_length")
+        assert [r.error for r in scorer.group_scores(short, samples)] == ["bad_value"] * 4
+        assert pool.error_counts["bad_value"] == 4
+    finally:
+        pool.close()
