@@ -9,7 +9,7 @@ docstring under it), checked when the class is defined.
 
 A key that moved is declared in its config's `renamed` ({old dotted key: new dotted key}): the old
 spelling is still read, for one release, in a file, in overrides and in the environment
-(SPARROW_QUEUE__URL for `queue.url`), with one warning line naming old and new; the two given together
+(SPARROW_OLD__KEY for `old.key`), with one warning line naming old and new; the two given together
 in one place are refused.
 
     class TrainerConfig(SparrowConfig):
@@ -131,7 +131,7 @@ def rename_keys(cls: type[BaseModel], data: dict[str, Any], where: str) -> dict[
 
 
 def env_name(cls: type[SparrowConfig], key: str) -> str:
-    """The environment variable of dotted `key`: SPARROW_QUEUE__URL for queue.url."""
+    """The environment variable of dotted `key`: SPARROW_A__B for a.b."""
     return f"{cls.model_config.get('env_prefix', '')}{key.replace('.', '__').upper()}"
 
 
@@ -220,8 +220,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 
 class _OwnEnv(EnvSettingsSource):
     """The SPARROW_* variables this config has fields for, old spellings (`renamed`) included. Every
-    process of a deployment reads one environment: a variable meant for another service's section
-    (SPARROW_API__HOST for the controller's `api.host`) is not this one's to refuse."""
+    process of a deployment reads one environment: a variable meant for another service (a section this
+    config lacks, or a key its own section lacks) is not this one's to refuse."""
 
     def __call__(self) -> dict[str, Any]:
         if _ENV_MERGED.get():
