@@ -201,7 +201,7 @@ def make_plan(up: UpConfig, run_dir: Path | None = None) -> RunPlan:
         sandbox.url,
         secrets.token_urlsafe(24) if children.sandbox is not None else "",
         sandbox.warnings,
-        admin_token(),
+        admin_token=admin_token() if children.controller is not None else "",
     )
 
 

@@ -9,7 +9,7 @@ from pydantic import SecretStr
 from services.controller.config import ControllerConfig
 from services.generator.config import GeneratorConfig
 from services.launcher.config import DEFAULT_SCHEDULE, LAUNCHER_DIR, UpConfig
-from services.launcher.plan import admin_token
+from services.launcher.plan import admin_token, make_plan
 from services.launcher.ports import Ports
 from services.launcher.services import child_environment, config_text, resolve
 from services.trainer.config import TrainerServiceConfig
@@ -176,6 +176,20 @@ def test_the_controllers_admin_token_is_the_users_security_token_or_its_old_name
     monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "mine")
     with pytest.raises(ConfigError, match="SPARROW_API__TOKEN and SPARROW_SECURITY__TOKEN are both given"):
         admin_token()
+
+
+def test_the_plan_gives_the_controller_the_users_admin_token_and_the_others_the_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPARROW_API__TOKEN", raising=False)
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "admin-of-the-user")
+    monkeypatch.setenv("SPARROW_TOKEN", "the-runs")
+    plan = make_plan(load_config(UpConfig, None, {"model_size": "tiny", "engine": "reference"}), tmp_path / "run")
+    specs = {s.name: s for s in plan.services()}
+    assert specs["controller"].env["SPARROW_SECURITY__TOKEN"] == "admin-of-the-user"
+    assert "SPARROW_API__TOKEN" not in specs["controller"].env
+    assert (
+        specs["trainer"].env["SPARROW_SECURITY__TOKEN"] == specs["gen-0"].env["SPARROW_SECURITY__TOKEN"] == "the-runs"
+    )
+    assert "admin-of-the-user" not in plan.config_files["controller.toml"]
 
 
 def test_the_run_config_never_holds_the_token():
