@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from sparrow.config import ConfigError, _section_type
+from sparrow.config import ConfigError, _section_type, new_spelling
 
 
 def type_name(annotation: Any) -> str:
@@ -61,9 +61,20 @@ def _split(item: str) -> tuple[str, str]:
     return key, raw.strip()
 
 
+def _typed_as(model: type[BaseModel], key: str, tables: dict[str, type[BaseModel]]) -> str:
+    """`key`, or the key an old spelling of it now is (in `model`, or in the table it falls in)."""
+    for prefix, table in [("", model), *((f"{path}.", schema) for path, schema in tables.items())]:
+        if key.startswith(prefix) and (new := new_spelling(table, key[len(prefix) :])) is not None:
+            return prefix + new
+    return key
+
+
 def _leaf(model: type[BaseModel], key: str, tables: dict[str, type[BaseModel]]) -> tuple[Any, FieldInfo | None]:
-    """The annotation and field of a dotted key, walking sections and typed tables; ConfigError when unknown."""
-    parts = key.split(".")
+    """The annotation and field of a dotted key, walking sections and typed tables; ConfigError when unknown.
+
+    An old spelling is typed as its new key; the key itself is kept, for load_config to warn about.
+    """
+    parts = _typed_as(model, key, tables).split(".")
     node: type[BaseModel] | None = model
     annotation: Any = None
     info: FieldInfo | None = None

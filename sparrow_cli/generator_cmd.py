@@ -12,7 +12,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "generator", help="generate rollouts from the prompt stream and stream them to the trainer"
     )
-    p.add_argument("--redis-url", help="Redis holding the prompt stream and the schedule (queue.url)")
+    p.add_argument("--redis-url", help="Redis holding the prompt stream and the schedule (redis.url)")
     p.add_argument("--trainer", metavar="HOST:PORT", help="the trainer's RolloutService (trainer.address)")
     p.add_argument("--engine", choices=["vllm", "reference"], help="which engine generates (engine.kind)")
     p.add_argument("--model", metavar="DIR", help="starting policy checkpoint (engine.model_dir)")
@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from services.generator.config import GeneratorConfig
 
     flags = {
-        "queue.url": args.redis_url,
+        "redis.url": args.redis_url,
         "trainer.address": args.trainer,
         "engine.kind": args.engine,
         "engine.model_dir": args.model,

@@ -113,12 +113,12 @@ def create_app(loop: ControlLoop, on_shutdown: Any = None) -> FastAPI:
         version="1",
         lifespan=lifespan,
     )
-    token = loop.config.api.token
+    token = loop.config.security.token
 
     def require_token(request: Request) -> None:
         """Bearer-token check for every POST, in constant time."""
         if token is None:
-            raise HTTPException(403, "admin actions are disabled: no api.token configured")
+            raise HTTPException(403, "admin actions are disabled: no security.token configured")
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         expected = token.get_secret_value().encode()
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):

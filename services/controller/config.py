@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
+from services.common.sections import RedisConfig, SecurityConfig
 from services.controller.grid import BudgetGrid
 from sparrow import metrics_contract as mc
 from sparrow.config import ConfigSection, SparrowConfig
@@ -128,10 +129,9 @@ class PrometheusConfig(ConfigSection):
     max_age_s: float = Field(120.0, gt=0, description="A bin's latest sample older than this is stale.")
 
 
-class RedisConfig(ConfigSection):
-    """The schedule store."""
+class ScheduleStoreConfig(RedisConfig):
+    """The schedule store: the shared Redis, and how much history it keeps."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL holding the schedule keys.")
     history_limit: int = Field(1000, ge=1, description="Schedule versions kept in the history list.")
 
 
@@ -140,9 +140,6 @@ class ApiConfig(ConfigSection):
 
     host: str = Field("127.0.0.1", description="Address the admin API listens on.")
     port: int = Field(8470, ge=0, le=65535, description="Port of the admin API and /metrics.")
-    token: SecretStr | None = Field(
-        None, description="Bearer token for POST endpoints (override, pause, resume); unset disables them."
-    )
     decisions_kept: int = Field(50, ge=1, description="Recent decisions shown in the status.")
 
 
@@ -168,14 +165,20 @@ class ProbeConfig(ConfigSection):
 class ControllerConfig(SparrowConfig):
     """The controller service's whole config (TOML file, SPARROW_* environment, flags)."""
 
+    renamed: ClassVar[dict[str, str]] = {"api.token": "security.token"}
+
     initial_schedule: str = Field(
         "qwen3-1.7b-0.86", description="Preset name or schedule JSON file published when Redis holds none."
     )
     interval_s: float = Field(30.0, gt=0, description="Seconds between two control ticks.")
     retune: RetuneConfig = Field(default_factory=RetuneConfig, description="Retuning rules.")
     prometheus: PrometheusConfig = Field(default_factory=PrometheusConfig, description="Prometheus source.")
-    redis: RedisConfig = Field(default_factory=RedisConfig, description="Schedule store.")
+    redis: ScheduleStoreConfig = Field(default_factory=ScheduleStoreConfig, description="Schedule store.")
     api: ApiConfig = Field(default_factory=ApiConfig, description="Admin API.")
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="Bearer token of the admin API's POST endpoints (override, pause, resume); unset disables them.",
+    )
     cost: CostConfig = Field(default_factory=CostConfig, description="Cost model inputs for predicted speedup.")
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="Optional probe requests.")
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
-from services.common.grpc_server import GrpcSecurity
+from services.common.sections import GrpcSecurityConfig, RedisConfig
 from sparrow.config import ConfigSection, SparrowConfig
 from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM
 
@@ -19,9 +19,8 @@ def default_generator_id() -> str:
 
 
 class QueueConfig(ConfigSection):
-    """The Redis Stream of prompt groups and the retry policy."""
+    """The Redis Stream of prompt groups (on the Redis of [redis]) and the retry policy."""
 
-    url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the work stream and the schedule keys.")
     stream: str = Field(PROMPTS_STREAM, description="Stream the trainer enqueues prompt groups on.")
     group: str = Field(GENERATOR_GROUP, description="Consumer group shared by every generator.")
     dead_letter_stream: str = Field(DEAD_LETTER_STREAM, description="Where groups that cannot be generated go.")
@@ -65,28 +64,6 @@ class TrainerConfig(ConfigSection):
     def weights_target(self) -> str:
         """Where the WeightService answers."""
         return self.weights_address or self.address
-
-
-class SecurityConfig(ConfigSection):
-    """Service token and TLS for every gRPC call, served or made."""
-
-    token: SecretStr | None = Field(
-        None, description="Shared service token (bearer metadata); set SPARROW_SECURITY__TOKEN rather than the file."
-    )
-    tls_cert: str = Field("", description="PEM certificate of the control server (TLS when set).")
-    tls_key: str = Field("", description="PEM private key of the control server.")
-    tls_ca: str = Field("", description="PEM CA bundle that signed the trainer's certificate (TLS client side).")
-
-    def _token(self) -> str:
-        return self.token.get_secret_value() if self.token is not None else ""
-
-    def server(self) -> GrpcSecurity:
-        """Settings of the control server: TLS when a certificate is set."""
-        return GrpcSecurity(token=self._token(), tls_cert=self.tls_cert, tls_key=self.tls_key)
-
-    def client(self) -> GrpcSecurity:
-        """Settings of calls to the trainer: TLS when a CA (or our own certificate) is set."""
-        return GrpcSecurity(token=self._token(), tls_cert=self.tls_cert, tls_ca=self.tls_ca)
 
 
 class RelayConfig(ConfigSection):
@@ -169,6 +146,8 @@ class EndpointConfig(ConfigSection):
 class GeneratorConfig(SparrowConfig):
     """The generator service's whole config (TOML file, SPARROW_* environment, flags)."""
 
+    renamed: ClassVar[dict[str, str]] = {"queue.url": "redis.url"}
+
     generator_id: str = Field(
         default_factory=default_generator_id,
         min_length=1,
@@ -179,9 +158,10 @@ class GeneratorConfig(SparrowConfig):
     drain_grace_s: float = Field(
         30.0, ge=0, description="On SIGTERM or Drain: seconds in-flight groups may finish before being handed back."
     )
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis of the work stream and the schedule.")
     queue: QueueConfig = Field(default_factory=QueueConfig, description="Work stream and retry policy.")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The trainer's gRPC services.")
-    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
+    security: GrpcSecurityConfig = Field(default_factory=GrpcSecurityConfig, description="Service token and TLS.")
     relay: RelayConfig = Field(default_factory=RelayConfig, description="Peer relay of policy versions.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="The rollout engine.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Sparsity schedule source.")

@@ -96,7 +96,9 @@ class Generator:
         q = config.queue
         # A blocking XREADGROUP must not hit the socket timeout.
         timeout = max(q.socket_timeout_s, q.read_block_ms / 1000 + 2)
-        self.redis = redis.Redis.from_url(q.url, socket_timeout=timeout, socket_connect_timeout=q.socket_timeout_s)
+        self.redis = redis.Redis.from_url(
+            config.redis.url, socket_timeout=timeout, socket_connect_timeout=q.socket_timeout_s
+        )
         self.service = GeneratorService(
             config, self.engine, WorkQueue(self.redis, q, config.generator_id, self.metrics), self.metrics
         )
@@ -138,7 +140,9 @@ class Generator:
 
         s = config.schedule
         self.schedule_watch = (
-            ScheduleWatch(q.url, self.service.set_schedule, s.poll_s, refused, on_probe=self.service.set_probe)
+            ScheduleWatch(
+                config.redis.url, self.service.set_schedule, s.poll_s, refused, on_probe=self.service.set_probe
+            )
             if s.follow_redis
             else None
         )

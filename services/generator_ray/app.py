@@ -49,7 +49,7 @@ class GeneratorReplica:
         self.generator = Generator(self.config)
         self.thread = self.generator.run_in_background()
         q = self.config.queue
-        self._redis = redis.Redis.from_url(q.url, socket_timeout=q.socket_timeout_s)
+        self._redis = redis.Redis.from_url(self.config.redis.url, socket_timeout=q.socket_timeout_s)
 
     def status(self) -> dict[str, Any]:
         """Who this replica is and what it serves."""

@@ -43,6 +43,7 @@ from services.launcher.services import (
 )
 from services.launcher.toml_text import to_toml
 from services.trainer.config import TrainerServiceConfig
+from sparrow.config import environment_value
 from sparrow.schedule import Schedule, ScheduleError
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -70,6 +71,7 @@ class RunPlan:
     sandbox_url: str = ""  # the code sandbox the trainer's code reward calls ("" when none)
     sandbox_token: str = ""  # the started sandbox's token (a random one per run)
     warnings: tuple[str, ...] = ()  # shown at the start of the run (an unjailed sandbox)
+    admin_token: str = ""  # the controller's admin API token (security.token)
 
     def services(self) -> list[ServiceSpec]:
         """Every child service of the run, in start order."""
@@ -205,7 +207,18 @@ def make_plan(up: UpConfig, run_dir: Path | None = None, resume: bool = False) -
         sandbox.url,
         secrets.token_urlsafe(24) if children.sandbox is not None else "",
         sandbox.warnings,
+        admin_token=admin_token() if children.controller is not None else "",
     )
+
+
+def admin_token() -> str:
+    """The controller's admin API token: the user's (to call POST /override and friends), else one nobody holds.
+
+    The user's is SPARROW_SECURITY__TOKEN in sparrow up's environment, read as the controller reads its own
+    (SPARROW_API__TOKEN, its old name, with a deprecation line); the trainer and generators get the run's token.
+    """
+    token = environment_value(ControllerConfig, "security.token")
+    return token.get_secret_value() if token is not None else secrets.token_urlsafe(24)
 
 
 def write_run_files(plan: RunPlan) -> None:
@@ -329,9 +342,7 @@ def _services(plan: RunPlan) -> list[ServiceSpec]:
             )
         )
     if plan.children.controller is not None:
-        # The admin API's token: the user's (to call POST /override and friends), else one nobody holds.
-        api_token = os.environ.get("SPARROW_API__TOKEN") or secrets.token_urlsafe(24)
-        env = child_environment(base, ControllerConfig, {"SPARROW_API__TOKEN": api_token})
+        env = child_environment(base, ControllerConfig, {"SPARROW_SECURITY__TOKEN": plan.admin_token})
         port = plan.ports.controller
         ready = health.http_ok(f"http://{HOST}:{port}/healthz")
         argv = _sparrow("controller", cfg / "controller.toml")

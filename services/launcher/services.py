@@ -24,7 +24,7 @@ from services.launcher.ports import HOST, Ports
 from services.launcher.toml_text import to_toml
 from services.sandbox.config import SandboxConfig
 from services.trainer.config import TrainerServiceConfig
-from sparrow.config import ConfigError, SparrowConfig
+from sparrow.config import ConfigError, SparrowConfig, rename_keys
 from sparrow.schedule import Schedule
 
 # Fields the launcher sets; a user table naming one gets this hint.
@@ -32,7 +32,7 @@ WIRED: dict[str, dict[str, str]] = {
     "trainer": {
         "run_dir": "run_dir / --run-dir",
         "model_dir": "model_dir / --model",
-        "redis_url": "redis_url",
+        "redis.url": "redis_url",
         "steps": "steps / --steps",
         "grpc.address": "ports.trainer_grpc",
         "metrics.port": "ports.trainer_metrics",
@@ -45,7 +45,7 @@ WIRED: dict[str, dict[str, str]] = {
     },
     "generator": {
         "generator_id": "generators (gen-0, gen-1, ...)",
-        "queue.url": "redis_url",
+        "redis.url": "redis_url",
         "trainer.address": "ports.trainer_grpc",
         "trainer.weights_address": "ports.trainer_grpc",
         "trainer.weights_dir": "run_dir",
@@ -62,7 +62,7 @@ WIRED: dict[str, dict[str, str]] = {
         "redis.url": "redis_url",
         "prometheus.url": "prometheus_url",
         "api.port": "ports.controller",
-        "api.token": "SPARROW_API__TOKEN in sparrow up's environment",
+        "security.token": "SPARROW_SECURITY__TOKEN in sparrow up's environment",
         "retune.tau": "tau",
     },
     "sandbox": {
@@ -76,7 +76,7 @@ WIRED: dict[str, dict[str, str]] = {
 SECRET_FIELDS = {
     "trainer": ("security", "token"),
     "generator": ("security", "token"),
-    "controller": ("api", "token"),
+    "controller": ("security", "token"),
     "sandbox": ("security", "token"),
 }
 
@@ -122,7 +122,7 @@ def resolve(
         {
             "run_dir": str(run_dir / "trainer"),
             "model_dir": str(model_dir),
-            "redis_url": _redis_url(up, ports),
+            "redis": {"url": _redis_url(up, ports)},
             "steps": up.steps,
             "wait_for_generators": up.generators,  # they start with the trainer: none gets a head start
             "grpc": {"address": f"{HOST}:{ports.trainer_grpc}"},
@@ -162,7 +162,7 @@ def resolve(
             up.generator,
             {
                 "generator_id": f"gen-{i}",
-                "queue": {"url": _redis_url(up, ports)},
+                "redis": {"url": _redis_url(up, ports)},
                 "trainer": {
                     "address": f"{HOST}:{ports.trainer_grpc}",
                     "weights_address": "",
@@ -249,6 +249,7 @@ def prometheus_url(up: UpConfig, ports: Ports) -> str:
 
 
 def _resolve(cls: type[SparrowConfig], section: str, local: dict, user: dict, wired: dict) -> Any:
+    user = rename_keys(cls, user, f"in [{section}]")
     _check_user_keys(cls, user, section)
     for dotted, use in WIRED[section].items():
         if _lookup(user, dotted) is not None:
@@ -325,7 +326,7 @@ def config_text(config: SparrowConfig, section: str, header: str) -> str:
 def child_environment(base: dict[str, str], cls: type[SparrowConfig], secrets: dict[str, str]) -> dict[str, str]:
     """`base` without the SPARROW_* variables `cls` would read as config (its file is the whole config), plus
     `secrets` (the service tokens), one torch thread unless the user chose, and unbuffered output for the logs."""
-    fields = set(cls.model_fields)
+    fields = set(cls.model_fields) | {old.split(".")[0] for old in cls.renamed}  # old spellings are read too
     env = {}
     for key, value in base.items():
         if key.startswith("SPARROW_") and key[len("SPARROW_") :].lower().split("__")[0] in fields:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
+from services.common.sections import SecurityConfig
 from services.sandbox.jail import Limits
 from sparrow.config import ConfigSection, SparrowConfig
 
@@ -78,14 +79,6 @@ class ApiConfig(ConfigSection):
     port: int = Field(8490, ge=0, le=65535, description="Port of the API, the health checks and /metrics.")
     access_log: bool = Field(
         False, description="Log one line per run request (cases passed, first failing status, seconds); sparrow up: on."
-    )
-
-
-class SecurityConfig(ConfigSection):
-    """Who may call the service."""
-
-    token: SecretStr | None = Field(
-        None, description="Bearer token every POST must carry; unset: none. Set SPARROW_SECURITY__TOKEN, not the file."
     )
 
 

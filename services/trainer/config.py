@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, model_validator
 
-from services.common.grpc_server import GrpcSecurity
+from services.common.sections import GrpcSecurityConfig, RedisConfig
 from services.trainer.weights import DEFAULT_SHARD_BYTES
 from sparrow.config import ConfigSection, SparrowConfig
 from sparrow.schedule import DEFAULT_BIN_WIDTH
@@ -29,22 +29,6 @@ class GrpcConfig(ConfigSection):
         64 << 20, ge=1 << 16, description="Largest message accepted; a bigger one ends its stream (RESOURCE_EXHAUSTED)."
     )
     grace_s: float = Field(10.0, ge=0, description="Seconds in-flight calls get to finish at shutdown.")
-
-
-class SecurityConfig(ConfigSection):
-    """Service token and optional TLS of the gRPC server (services/common/grpc_server.py)."""
-
-    token: SecretStr | None = Field(
-        None, description="Bearer token every caller must send; unset: none. Set SPARROW_SECURITY__TOKEN, not the file."
-    )
-    tls_cert: str = Field("", description="PEM certificate of the server; empty: plaintext.")
-    tls_key: str = Field("", description="PEM private key of the server.")
-    tls_ca: str = Field("", description="PEM CA bundle (for clients of this process).")
-
-    def grpc(self) -> GrpcSecurity:
-        """The shared helper's security settings."""
-        token = self.token.get_secret_value() if self.token is not None else ""
-        return GrpcSecurity(token=token, tls_cert=self.tls_cert, tls_key=self.tls_key, tls_ca=self.tls_ca)
 
 
 class MetricsConfig(ConfigSection):
@@ -414,9 +398,10 @@ class EvalConfig(ConfigSection):
 class TrainerServiceConfig(SparrowConfig):
     """The trainer service's whole config (TOML file, SPARROW_* environment, flags)."""
 
+    renamed: ClassVar[dict[str, str]] = {"redis_url": "redis.url"}
+
     run_dir: str = Field("runs/trainer", description="Where the trajectory store, checkpoints and policies live.")
     model_dir: str = Field("models/tiny", description="HF-format model folder the run starts from.")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding the prompt stream.")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the policy trains.")
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -454,7 +439,8 @@ class TrainerServiceConfig(SparrowConfig):
         "forward per step; block rule from the schedule in Redis, else [distill]'s sink/local/dense_layers).",
     )
     grpc: GrpcConfig = Field(default_factory=GrpcConfig, description="gRPC server.")
-    security: SecurityConfig = Field(default_factory=SecurityConfig, description="Service token and TLS.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis holding the prompt stream.")
+    security: GrpcSecurityConfig = Field(default_factory=GrpcSecurityConfig, description="Service token and TLS.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Prometheus endpoint.")
     task: TaskConfig = Field(default_factory=TaskConfig, description="The built-in chain task.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training and evaluation datasets.")

@@ -197,7 +197,7 @@ class TrainerService:
     def _redis(self):
         import redis
 
-        return redis.Redis.from_url(self.config.redis_url, socket_timeout=5, socket_connect_timeout=5)
+        return redis.Redis.from_url(self.config.redis.url, socket_timeout=5, socket_connect_timeout=5)
 
     def _publish_start(self) -> None:
         latest = self.weights.latest(POLICY)

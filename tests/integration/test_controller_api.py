@@ -37,7 +37,7 @@ def stack():
             "prometheus.url": f"http://127.0.0.1:{free_port()}",  # nothing listens there
             "prometheus.timeout_s": 0.5,
             "api.port": port,
-            "api.token": TOKEN,
+            "security.token": TOKEN,
             "interval_s": 0.2,
         }
         loop = build_loop(load_config(ControllerConfig, overrides=overrides))

@@ -64,6 +64,7 @@ timeout_s = 2
 url = "{redis_url}"
 [api]
 port = {port}
+[security]
 token = "test-token"
 [probe]
 enabled = true

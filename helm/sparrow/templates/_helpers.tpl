@@ -160,7 +160,7 @@ Generator environment: where Redis and the trainer are, where to listen. docker-
 same names (a test compares them).
 */}}
 {{- define "sparrow.generator.env" -}}
-- name: SPARROW_QUEUE__URL
+- name: SPARROW_REDIS__URL
   value: {{ include "sparrow.redis.url" . | quote }}
 - name: SPARROW_TRAINER__ADDRESS
   value: {{ printf "%s:%d" (include "sparrow.trainer.fullname" .) (int .Values.trainer.grpcPort) | quote }}
@@ -197,7 +197,7 @@ same names (a test compares them).
 {{- end }}
 
 {{- define "sparrow.trainer.env" -}}
-- name: SPARROW_REDIS_URL
+- name: SPARROW_REDIS__URL
   value: {{ include "sparrow.redis.url" . | quote }}
 - name: SPARROW_GRPC__ADDRESS
   value: {{ printf "0.0.0.0:%d" (int .Values.trainer.grpcPort) | quote }}
@@ -256,7 +256,8 @@ same names (a test compares them).
   value: {{ .Values.controller.port | quote }}
 - name: SPARROW_RETUNE__TAU
   value: {{ .Values.tau | quote }}
-- name: SPARROW_API__TOKEN
+# the admin API's bearer token, in the security section every service shares
+- name: SPARROW_SECURITY__TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "sparrow.secretName" . }}

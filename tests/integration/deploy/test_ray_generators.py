@@ -60,7 +60,7 @@ def test_two_replicas_run_generators_that_share_the_queue(local_ray, tmp_path):
     with redis_server() as server, StandinRolloutServer() as trainer:
         client = redis.Redis.from_url(server.url)
         overrides = {
-            "queue.url": server.url,
+            "redis.url": server.url,
             "queue.stream": stream,
             "queue.dead_letter_stream": f"{stream}:dead",
             "max_in_flight_groups": 1,  # one group at a time each, so both replicas get work

@@ -35,7 +35,7 @@ def _config(run_dir: Path, redis_url: str, steps: int) -> TrainerServiceConfig:
         overrides={
             "run_dir": str(run_dir),
             "model_dir": str(TINY),
-            "redis_url": redis_url,
+            "redis.url": redis_url,
             "steps": steps,
             "groups_per_step": 2,
             "outstanding_steps": 1.0,

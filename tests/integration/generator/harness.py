@@ -24,7 +24,7 @@ def generator_overrides(redis_url: str, trainer_address: str, tmp_path: Path, na
     """Config overrides for a fast generator on loopback: short timeouts, its own stream names."""
     return {
         "generator_id": f"gen-{name}",
-        "queue.url": redis_url,
+        "redis.url": redis_url,
         "queue.stream": f"prompts:{name}",
         "queue.dead_letter_stream": f"prompts:{name}:dead",
         "queue.claim_idle_s": 2.0,

@@ -232,7 +232,7 @@ def test_a_drain_with_redis_hung_tries_redis_once_not_once_per_group(start, trai
     trainer.swallow = lambda t: True  # no group can finish: all of them are to be handed back
     with redis_server() as server:
         client = redis.Redis.from_url(server.url)
-        h = start(**{"queue.url": server.url, "queue.socket_timeout_s": 1.0, "max_in_flight_groups": 4})
+        h = start(**{"redis.url": server.url, "queue.socket_timeout_s": 1.0, "max_in_flight_groups": 4})
         for i in range(4):
             client.xadd(h.config.queue.stream, group(f"h{i}", n=1, seed=i).to_fields())
         trainer.wait_for(lambda: len(trainer.swallowed) == 4, 60, "every group sent")

@@ -21,7 +21,7 @@ def test_eval_rounds_report_avg_and_pass_at_k_dense_and_under_the_schedule(tmp_p
     extra = {"data.eval_files": [str(heldout)], "eval.every": 1, "eval.k": 4, "eval.modes": ["dense", "schedule"]}
     config = _config(tmp_path / "run", "", **extra, steps=2)
     with redis_server() as redis:
-        config = config.model_copy(update={"redis_url": redis.url})
+        config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis.url})})
         with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
             wait_until(lambda: len(service.evaluator.results) >= 6, 180, "three evaluation rounds, two modes each")
             metrics = _metrics(service.metrics_port)

@@ -35,11 +35,12 @@ def _write_config(
     path.write_text(
         f"""run_dir = "{run_dir}"
 model_dir = "{TINY}"
-redis_url = "{redis_url}"
 groups_per_step = {GROUPS_PER_STEP}
 max_staleness = 1000
 poll_s = 0.1
 {top}
+[redis]
+url = "{redis_url}"
 [grpc]
 address = "127.0.0.1:{grpc_port}"
 grace_s = 0.5

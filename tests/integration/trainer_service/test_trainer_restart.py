@@ -26,11 +26,12 @@ def _write_config(path: Path, run_dir: Path, redis_url: str, grpc_port: int) -> 
     path.write_text(
         f"""run_dir = "{run_dir}"
 model_dir = "{TINY}"
-redis_url = "{redis_url}"
 groups_per_step = {GROUPS_PER_STEP}
 outstanding_steps = 2.0
 max_staleness = 1000          # this generator keeps the starting policy; lag is not under test here
 poll_s = 0.1
+[redis]
+url = "{redis_url}"
 [grpc]
 address = "127.0.0.1:{grpc_port}"
 grace_s = 0.5
@@ -143,7 +144,7 @@ def test_versions_published_after_the_last_checkpoint_are_never_reused(tmp_path)
     from sparrow.config import load_config
     from trainer.model_io import load_model
 
-    overrides = {"run_dir": str(tmp_path), "model_dir": str(TINY), "redis_url": "redis://127.0.0.1:1/0"}
+    overrides = {"run_dir": str(tmp_path), "model_dir": str(TINY), "redis.url": "redis://127.0.0.1:1/0"}
     config = load_config(TrainerServiceConfig, overrides=overrides)
     fresh = TrainerService(config)  # Redis is not touched before the loop runs
     assert fresh.state.policy_version == 1 and fresh.weights.latest(POLICY) == 1

@@ -27,7 +27,7 @@ def _config(run_dir: Path, redis_url: str, **extra) -> TrainerServiceConfig:
     overrides = {
         "run_dir": str(run_dir),
         "model_dir": str(TINY),
-        "redis_url": redis_url,
+        "redis.url": redis_url,
         "groups_per_step": 2,
         "outstanding_steps": 1.0,
         "poll_s": 0.1,
@@ -56,7 +56,7 @@ def _running(config: TrainerServiceConfig, follow_policy: bool, work_dir: Path, 
     wait_until(lambda: service.grpc_port > 0, 30, "trainer serving")
     address = f"127.0.0.1:{service.grpc_port}"
     generator = SamplingGenerator(
-        config.redis_url, address, follow_policy=follow_policy, work_dir=work_dir, probe_budget=probe_budget
+        config.redis.url, address, follow_policy=follow_policy, work_dir=work_dir, probe_budget=probe_budget
     ).start()
     try:
         yield service, generator, address

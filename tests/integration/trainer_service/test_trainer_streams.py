@@ -52,7 +52,7 @@ def test_the_trainer_service_holds_many_generators_open_and_answers_health(tmp_p
         overrides = {
             "run_dir": str(tmp_path / "run"),
             "model_dir": str(TINY),
-            "redis_url": redis.url,
+            "redis.url": redis.url,
             "grpc.address": "127.0.0.1:0",
             "grpc.grace_s": 0.5,
             "metrics.port": 0,

@@ -17,7 +17,7 @@ SHIPPED = ROOT / "services" / "controller" / "controller.toml"
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for key in ("SPARROW_RETUNE__TAU", "SPARROW_API__TOKEN", "SPARROW_INTERVAL_S"):
+    for key in ("SPARROW_RETUNE__TAU", "SPARROW_API__TOKEN", "SPARROW_SECURITY__TOKEN", "SPARROW_INTERVAL_S"):
         monkeypatch.delenv(key, raising=False)
 
 
@@ -34,11 +34,20 @@ def test_shipped_config_parses_and_spells_out_the_defaults():
 
 def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
     monkeypatch.setenv("SPARROW_RETUNE__TAU", "0.9")
-    monkeypatch.setenv("SPARROW_API__TOKEN", "s3cret")
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "s3cret")
     config = load_config(ControllerConfig, SHIPPED, {"interval_s": 2.5})
     assert config.retune.tau == 0.9 and config.interval_s == 2.5
-    assert config.api.token.get_secret_value() == "s3cret"
-    assert "s3cret" not in config.dump() and json.loads(config.dump())["api"]["token"] == "**********"
+    assert config.security.token.get_secret_value() == "s3cret"
+    assert "s3cret" not in config.dump() and json.loads(config.dump())["security"]["token"] == "**********"
+
+
+def test_the_old_admin_token_variable_is_read_with_one_deprecation_line(monkeypatch, caplog):
+    monkeypatch.setenv("SPARROW_API__TOKEN", "s3cret")
+    with caplog.at_level("WARNING", logger="sparrow.config"):
+        config = load_config(ControllerConfig, SHIPPED)
+    assert config.security.token.get_secret_value() == "s3cret"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "SPARROW_API__TOKEN" in line and "SPARROW_SECURITY__TOKEN" in line and "s3cret" not in line
 
 
 @pytest.mark.parametrize(

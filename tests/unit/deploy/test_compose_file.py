@@ -19,8 +19,6 @@ COMPOSE = REPO / "docker-compose.yml"
 SCHEMA = REPO / "tests/unit/deploy/compose_spec/compose-spec.json"
 SPARROW = ("generator", "trainer", "controller")
 ADDRESSES = {
-    "SPARROW_QUEUE__URL",
-    "SPARROW_REDIS_URL",
     "SPARROW_REDIS__URL",
     "SPARROW_TRAINER__ADDRESS",
     "SPARROW_PROMETHEUS__URL",
@@ -120,4 +118,13 @@ def test_tokens_come_from_the_environment_not_the_file():
     services = compose()["services"]
     for name, key in (("generator", "SPARROW_SECURITY__TOKEN"), ("trainer", "SPARROW_SECURITY__TOKEN")):
         assert services[name]["environment"][key].startswith("${SPARROW_SERVICE_TOKEN:?")
-    assert services["controller"]["environment"]["SPARROW_API__TOKEN"].startswith("${SPARROW_ADMIN_TOKEN:?")
+    assert services["controller"]["environment"]["SPARROW_SECURITY__TOKEN"].startswith("${SPARROW_ADMIN_TOKEN:?")
+
+
+def test_every_service_spells_the_shared_keys_alike():
+    """One security section and one Redis key (services/common/sections.py): no old spelling left here."""
+    services = compose()["services"]
+    for name in SPARROW:
+        env = services[name]["environment"]
+        assert not {"SPARROW_QUEUE__URL", "SPARROW_REDIS_URL", "SPARROW_API__TOKEN"} & set(env), name
+        assert env["SPARROW_REDIS__URL"] == "redis://redis:6379/0" and "SPARROW_SECURITY__TOKEN" in env, name

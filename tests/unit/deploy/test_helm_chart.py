@@ -466,13 +466,17 @@ def test_configs_secrets_and_wiring():
     assert "gpu_memory_utilization = 0.85" in config["data"]["generator.toml"]
     assert "steps = 100" in config["data"]["trainer.toml"]
     env = {e["name"]: e for e in container(objs, "generator")["env"]}
-    assert env["SPARROW_QUEUE__URL"]["value"] == f"redis://{RELEASE}-sparrow-redis:6379/0"
+    assert env["SPARROW_REDIS__URL"]["value"] == f"redis://{RELEASE}-sparrow-redis:6379/0"
     assert env["SPARROW_TRAINER__ADDRESS"]["value"] == f"{RELEASE}-sparrow-trainer:50051"
     assert env["SPARROW_SECURITY__TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "service-token"
     assert env["SPARROW_SECURITY__TLS_CA"]["value"] == "/etc/sparrow/tls/ca.crt"
     controller_env = {e["name"]: e for e in container(objs, "controller")["env"]}
     assert controller_env["SPARROW_RETUNE__TAU"]["value"] == "0.86"
-    assert controller_env["SPARROW_API__TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
+    assert controller_env["SPARROW_SECURITY__TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "admin-token"
+    assert controller_env["SPARROW_REDIS__URL"]["value"] == env["SPARROW_REDIS__URL"]["value"]
+    for component in ("generator", "trainer", "controller"):
+        names = {e["name"] for e in container(objs, component)["env"]}
+        assert not {"SPARROW_QUEUE__URL", "SPARROW_REDIS_URL", "SPARROW_API__TOKEN"} & names, component
     # The relay: listening on every address, advertised at the pod's IP, its port on the pod and the Service.
     assert (env["SPARROW_RELAY__ENABLED"]["value"], env["SPARROW_RELAY__HOST"]["value"]) == ("true", "0.0.0.0")
     assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
@@ -493,7 +497,7 @@ def test_configs_secrets_and_wiring():
     assert set(tokens["data"]) == {"service-token", "admin-token"}
     assert tokens["data"]["service-token"] != tokens["data"]["admin-token"]
     external_env = {e["name"]: e for e in container(objects(EXTERNAL_REDIS), "trainer")["env"]}
-    assert external_env["SPARROW_REDIS_URL"]["value"] == "redis://redis.shared.svc:6380/2"
+    assert external_env["SPARROW_REDIS__URL"]["value"] == "redis://redis.shared.svc:6380/2"
     assert external_env["SPARROW_DEVICE"]["value"] == "cuda"
     (trainer,) = find(objs, "StatefulSet", "trainer")
     (claim,) = trainer["spec"]["volumeClaimTemplates"]

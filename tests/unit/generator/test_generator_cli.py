@@ -20,8 +20,19 @@ def test_print_config_applies_file_then_flags(capsys, tmp_path):
     assert main(["generator", "--config", str(path), *flags]) == 0
     config = json.loads(capsys.readouterr().out)
     assert config["max_in_flight_groups"] == 3 and config["queue"]["claim_idle_s"] == 9.0
-    assert config["queue"]["url"] == "redis://h:1/0" and config["trainer"]["address"] == "t:5"
+    assert config["redis"]["url"] == "redis://h:1/0" and config["trainer"]["address"] == "t:5"
     assert config["generator_id"] == "g-7" and config["engine"]["kind"] == "reference"
+
+
+def test_the_old_queue_url_in_a_set_flag_still_works_with_a_deprecation_line(capsys, caplog):
+    with caplog.at_level("WARNING", logger="sparrow.config"):
+        assert main(["generator", "--set", "queue.url=redis://old:1/0", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["redis"]["url"] == "redis://old:1/0"
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "config key 'queue.url' in overrides is deprecated: use 'redis.url'"
+    ]
+    err = _one_line_error(capsys, ["generator", "--set", "queue.url=redis://a", "--redis-url", "redis://b"])
+    assert "config keys 'queue.url' and 'redis.url' are both given" in err
 
 
 def _one_line_error(capsys, argv) -> str:

@@ -15,7 +15,7 @@ SHIPPED = ROOT / "services" / "generator" / "generator.toml"
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for key in ("SPARROW_SECURITY__TOKEN", "SPARROW_QUEUE__URL", "SPARROW_GENERATOR_ID"):
+    for key in ("SPARROW_SECURITY__TOKEN", "SPARROW_QUEUE__URL", "SPARROW_REDIS__URL", "SPARROW_GENERATOR_ID"):
         monkeypatch.delenv(key, raising=False)
 
 
@@ -42,13 +42,28 @@ def test_generator_id_defaults_to_hostname_pid_and_differs_per_process():
 
 def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
     monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "s3cret")
-    monkeypatch.setenv("SPARROW_QUEUE__URL", "redis://elsewhere:6380/1")
+    monkeypatch.setenv("SPARROW_REDIS__URL", "redis://elsewhere:6380/1")
     config = load_config(GeneratorConfig, SHIPPED, {"engine.kind": "reference", "queue.claim_idle_s": 2.5})
-    assert config.queue.url == "redis://elsewhere:6380/1" and config.queue.claim_idle_s == 2.5
+    assert config.redis.url == "redis://elsewhere:6380/1" and config.queue.claim_idle_s == 2.5
     assert config.engine.kind == "reference"
     assert config.security.client().token == "s3cret" and config.security.server().token == "s3cret"
     dumped = config.dump()
     assert "s3cret" not in dumped and json.loads(dumped)["security"]["token"] == "**********"
+
+
+def test_the_old_queue_url_is_read_with_one_deprecation_line(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("SPARROW_QUEUE__URL", "redis://elsewhere:6380/1")
+    with caplog.at_level("WARNING", logger="sparrow.config"):
+        config = load_config(GeneratorConfig, SHIPPED)
+    assert config.redis.url == "redis://elsewhere:6380/1"
+    assert [r.getMessage().split(" is deprecated")[0] for r in caplog.records] == [
+        "SPARROW_QUEUE__URL in the environment"
+    ]
+    monkeypatch.delenv("SPARROW_QUEUE__URL")
+    old = tmp_path / "old.toml"
+    old.write_text('[queue]\nurl = "redis://file:6379/2"\nclaim_idle_s = 7.0\n')
+    config = load_config(GeneratorConfig, old)
+    assert config.redis.url == "redis://file:6379/2" and config.queue.claim_idle_s == 7.0
 
 
 def test_tls_settings_split_into_server_and_client_sides():

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 from pydantic import SecretStr
 
+from services.controller.config import ControllerConfig
 from services.generator.config import GeneratorConfig
 from services.launcher.config import DEFAULT_SCHEDULE, LAUNCHER_DIR, UpConfig
+from services.launcher.plan import admin_token, make_plan
 from services.launcher.ports import Ports
 from services.launcher.services import child_environment, config_text, resolve
 from services.trainer.config import TrainerServiceConfig
@@ -39,7 +41,7 @@ def test_children_get_the_wiring_the_local_defaults_and_the_users_overrides(tmp_
     c = _resolve(up, tmp_path)
     t = c.trainer
     assert (t.steps, t.run_dir, t.model_dir) == (7, str(tmp_path / "trainer"), str(MODEL))
-    assert t.grpc.address == "127.0.0.1:6002" and t.metrics.port == 6003 and t.redis_url == "redis://127.0.0.1:6000/0"
+    assert t.grpc.address == "127.0.0.1:6002" and t.metrics.port == 6003 and t.redis.url == "redis://127.0.0.1:6000/0"
     assert (t.sampling.n, t.groups_per_step) == (4, 3)  # the user's table wins over the launcher's defaults
     assert t.sampling.max_new_tokens == 300  # the launcher's local default
     assert (t.metrics.bin_width, t.metrics.num_bins) == (128, 8)  # the schedule's bins
@@ -84,6 +86,17 @@ def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):
         ({"generator": {"metrics": {"port": 9}}}, "use ports.generator_metrics"),
         ({"controller": {"retune": {"tau": 0.9}}}, "controller.retune.tau is set by sparrow up; use tau"),
         ({"trainer": {"optim": {"lr": -1}}}, "invalid config value for 'trainer.optim.lr'"),
+        # Old spellings are read in the tables too, and then named as they are now spelled.
+        ({"trainer": {"redis_url": "redis://x"}}, "trainer.redis.url is set by sparrow up; use redis_url"),
+        ({"generator": {"queue": {"url": "redis://x"}}}, "generator.redis.url is set by sparrow up; use redis_url"),
+        (
+            {"controller": {"api": {"token": "t"}}},
+            "controller.security.token is set by sparrow up; use SPARROW_SECURITY__TOKEN in sparrow up's environment",
+        ),
+        (
+            {"generator": {"queue": {"url": "a"}, "redis": {"url": "b"}}},
+            "config keys 'queue.url' and 'redis.url' are both given in ",
+        ),
     ],
 )
 def test_bad_service_tables_are_one_line_errors_naming_the_key(tmp_path, table, message):
@@ -138,6 +151,45 @@ def test_child_environment_drops_config_variables_keeps_switches_and_adds_the_to
     assert env["SPARROW_NO_CPU_EXTENSION"] == "1" and env["PATH"] == "/bin"
     assert env["SPARROW_SECURITY__TOKEN"] == "t" and env["OMP_NUM_THREADS"] == "2" and env["PYTHONUNBUFFERED"] == "1"
     assert child_environment({}, TrainerServiceConfig, {})["OMP_NUM_THREADS"] == "1"
+
+
+def test_child_environment_drops_the_old_spellings_of_the_childs_keys_too():
+    base = {"SPARROW_REDIS_URL": "redis://old", "SPARROW_QUEUE__URL": "redis://old", "SPARROW_API__TOKEN": "t"}
+    assert "SPARROW_REDIS_URL" not in child_environment(base, TrainerServiceConfig, {})
+    assert "SPARROW_QUEUE__URL" not in child_environment(base, GeneratorConfig, {})
+    env = child_environment(base, ControllerConfig, {"SPARROW_SECURITY__TOKEN": "admin"})
+    assert "SPARROW_API__TOKEN" not in env and env["SPARROW_SECURITY__TOKEN"] == "admin"
+
+
+def test_the_controllers_admin_token_is_the_users_security_token_or_its_old_name(monkeypatch, caplog):
+    monkeypatch.delenv("SPARROW_API__TOKEN", raising=False)
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "mine")
+    assert admin_token() == "mine"
+    monkeypatch.delenv("SPARROW_SECURITY__TOKEN")
+    first, second = admin_token(), admin_token()
+    assert first != second and len(first) > 20  # nobody's: a random one per run
+    monkeypatch.setenv("SPARROW_API__TOKEN", "old-name")
+    with caplog.at_level("WARNING", logger="sparrow.config"):
+        assert admin_token() == "old-name"
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("SPARROW_API__TOKEN in the environment is deprecated: use SPARROW_SECURITY__TOKEN")
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "mine")
+    with pytest.raises(ConfigError, match="SPARROW_API__TOKEN and SPARROW_SECURITY__TOKEN are both given"):
+        admin_token()
+
+
+def test_the_plan_gives_the_controller_the_users_admin_token_and_the_others_the_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("SPARROW_API__TOKEN", raising=False)
+    monkeypatch.setenv("SPARROW_SECURITY__TOKEN", "admin-of-the-user")
+    monkeypatch.setenv("SPARROW_TOKEN", "the-runs")
+    plan = make_plan(load_config(UpConfig, None, {"model_size": "tiny", "engine": "reference"}), tmp_path / "run")
+    specs = {s.name: s for s in plan.services()}
+    assert specs["controller"].env["SPARROW_SECURITY__TOKEN"] == "admin-of-the-user"
+    assert "SPARROW_API__TOKEN" not in specs["controller"].env
+    assert (
+        specs["trainer"].env["SPARROW_SECURITY__TOKEN"] == specs["gen-0"].env["SPARROW_SECURITY__TOKEN"] == "the-runs"
+    )
+    assert "admin-of-the-user" not in plan.config_files["controller.toml"]
 
 
 def test_the_run_config_never_holds_the_token():

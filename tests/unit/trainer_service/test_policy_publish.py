@@ -18,7 +18,7 @@ TINY = Path(__file__).resolve().parents[3] / "models" / "tiny"
 
 
 def _service(tmp_path, **weights):
-    overrides = {"run_dir": str(tmp_path), "model_dir": str(TINY), "redis_url": "redis://127.0.0.1:1/0"}
+    overrides = {"run_dir": str(tmp_path), "model_dir": str(TINY), "redis.url": "redis://127.0.0.1:1/0"}
     overrides |= {f"weights.{k}": v for k, v in weights.items()}
     return TrainerService(load_config(TrainerServiceConfig, overrides=overrides))  # Redis is not touched here
 
