@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend, triton_interpreted
-from .layout import PAGE_SIZE, check_budgets, check_centroids, check_paged_cache, flat_page_index, num_pages
+from .layout import check_budgets, check_centroids, check_paged_cache, flat_page_index
+from .pages import PAGE_SIZE, num_pages
 from .select import DecodeBounds, score_blocks, select_blocks
 from .workspace import Workspace
 
