@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparrow.budget import pages
 from sparrow.schedule import INT32_MAX, INT64_MAX, Schedule, per_bin
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ class ProbePlan:
 
     def pages(self) -> list[int]:
         """Budget in pages per bin (what the attention layers take)."""
-        return [b // self.schedule.page_size for b in self.budgets]
+        return [pages(b, self.schedule.page_size) for b in self.budgets]
 
     def budget_tokens(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Probe budget in tokens for every KV length in `kv_lens`."""

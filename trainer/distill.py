@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparrow.acceptance import alpha_exact
+from sparrow.budget import kept_budget
 from trainer import distributed, lm_head, sparse_attention
 from trainer.batch import MicroBatch, Rollout, micro_batches
 from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
@@ -403,7 +404,7 @@ def rollout_of(prompt: Sequence[int], generation: Generation, group_id: str = ""
     budget; a generator reports 0 for the first token and for any budget covering the context.
     """
     plen = len(prompt)
-    budgets = tuple(0 if t == 0 or b >= plen + t else int(b) for t, b in enumerate(generation.budgets.tolist()))
+    budgets = tuple(0 if t == 0 else kept_budget(int(b), plen + t) for t, b in enumerate(generation.budgets.tolist()))
     return Rollout(
         group_id=group_id,
         sample_index=sample_index,

@@ -48,6 +48,7 @@ from typing import ClassVar
 import torch
 
 from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, num_pages, sparse_decode_attention
+from sparrow.budget import pages
 from sparrow.schedule import Schedule, per_bin
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
@@ -109,11 +110,11 @@ class StaticBudgets:
             self.probe.fill_(self.max_pages)
         else:
             lens = torch.arange(self.max_seq_len + 1)
-            pages = schedule.budget_pages(lens)
-            self.pages.copy_(pages.to(self.device))
+            table = schedule.budget_pages(lens)
+            self.pages.copy_(table.to(self.device))
             if probe_pages is not None and len(probe_pages) == schedule.num_bins:
-                pages = per_bin(probe_pages, schedule.bin_width, lens)
-            self.probe.copy_(pages.to(self.device))
+                table = per_bin(probe_pages, schedule.bin_width, lens)
+            self.probe.copy_(table.to(self.device))
         self.filled = key
 
     def budgets(
@@ -271,8 +272,7 @@ class ScheduledDecode:
         s = self.schedule
         cached = self._budget_table
         if cached is None or cached[0] is not s or cached[1].device != seq_lens.device:
-            pages = [b // s.page_size for b in s.budgets]
-            cached = (s, to_device(pages, torch.int64, seq_lens.device))
+            cached = (s, to_device([pages(b, s.page_size) for b in s.budgets], torch.int64, seq_lens.device))
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
         budgets = cached[1][bins]
@@ -341,7 +341,7 @@ class ScheduledDecode:
                 bounds, budgets = DecodeBounds(max(lens, default=0), 0), None
             else:
                 bins = [s.bin_of(n) for n in lens]
-                budgets = [s.budgets[b] // s.page_size for b in bins]
+                budgets = [pages(s.budgets[b], s.page_size) for b in bins]
                 for r, rid in enumerate(ids or ()):
                     if rid is not None and rid.startswith(PROBE_PREFIX):
                         budgets[r] = self.probe_pages[bins[r]]
