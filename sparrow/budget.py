@@ -6,7 +6,7 @@ plan) gives n's bin: that many cached tokens, sink and local pages included. A b
 that produces a response's first token. These reported budgets are what generators send with each
 token (`kv_budgets`) and what the trainer's teacher-forced forward replays.
 
-Budgets are counted in tokens everywhere; the kernels take pages of `PAGE_SIZE` tokens, and `pages`
+Budgets are counted in tokens everywhere; the kernels take pages of `PAGE_SIZE` tokens, and `in_pages`
 is the one conversion, at that boundary. A reported budget the kernels cannot replay (not a whole
 number of pages) makes a rollout not `reproducible`.
 
@@ -29,10 +29,11 @@ __all__ = [
     "kept_budget",
     "num_pages",
     "page_mismatch",
-    "pages",
+    "in_pages",
     "replay_pages",
     "reproducible",
     "step_budget",
+    "whole_pages",
 ]
 
 
@@ -64,17 +65,22 @@ def step_budget(source: BudgetSource | None, kv_len: int | torch.Tensor) -> int 
     return kept_budget(scheduled, kv_len)
 
 
-def pages(budget: int | torch.Tensor, page_size: int = PAGE_SIZE) -> int | torch.Tensor:
+def in_pages(budget: int | torch.Tensor, page_size: int = PAGE_SIZE) -> int | torch.Tensor:
     """A budget in tokens (a whole number of pages) as the number of pages the kernels keep."""
     return budget // page_size
 
 
+def whole_pages(budget: int | torch.Tensor, page_size: int = PAGE_SIZE) -> bool | torch.Tensor:
+    """Whether `budget` tokens are a whole number of pages (elementwise for a tensor)."""
+    return budget % page_size == 0
+
+
 def replay_pages(budget: torch.Tensor, every: int | torch.Tensor) -> torch.Tensor:
-    """The pages a teacher-forced position keeps for a reported `budget` in tokens: `pages(budget)`, or `every`
+    """The pages a teacher-forced position keeps for a reported `budget` in tokens: `in_pages(budget)`, or `every`
     (a count covering all of its pages) where the step attended densely (0)."""
     import torch
 
-    return torch.where(budget > 0, pages(budget), torch.as_tensor(every, dtype=budget.dtype, device=budget.device))
+    return torch.where(budget > 0, in_pages(budget), torch.as_tensor(every, dtype=budget.dtype, device=budget.device))
 
 
 def reproducible(kv_budgets: Sequence[int], num_tokens: int) -> bool:
@@ -82,7 +88,7 @@ def reproducible(kv_budgets: Sequence[int], num_tokens: int) -> bool:
 
     They can be absent (dense) or one per token, each a whole number of pages.
     """
-    return len(kv_budgets) in (0, num_tokens) and all(b % PAGE_SIZE == 0 for b in kv_budgets)
+    return len(kv_budgets) in (0, num_tokens) and all(whole_pages(b) for b in kv_budgets)
 
 
 def page_mismatch(page_size: int) -> str | None:

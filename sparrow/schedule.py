@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sparrow.budget import PAGE_SIZE, pages
+from sparrow.budget import PAGE_SIZE, in_pages, whole_pages
 
 if TYPE_CHECKING:
     import torch
@@ -72,7 +72,7 @@ class Schedule:
             _require_at_most(b, INT32_MAX, f"budget of bin {i}")
             if b <= 0:
                 raise ScheduleError(f"budget of bin {i} must be positive, got {b}")
-            if b % self.page_size:
+            if not whole_pages(b, self.page_size):
                 raise ScheduleError(
                     f"budget of bin {i} ({b} tokens) is not a multiple of the page size {self.page_size}"
                 )
@@ -123,7 +123,7 @@ class Schedule:
 
     def budget_pages(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Scheduled budget in pages (blocks) for every KV length in `kv_lens`."""
-        return pages(self.budget_tokens(kv_lens), self.page_size)
+        return in_pages(self.budget_tokens(kv_lens), self.page_size)
 
     def with_budgets(self, budgets: list[int] | tuple[int, ...], name: str | None = None) -> Schedule:
         """A new version of this schedule with other budgets (validated like any schedule)."""

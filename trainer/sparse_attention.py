@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sparrow.budget import PAGE_SIZE, num_pages, page_mismatch, replay_pages
+from sparrow.budget import PAGE_SIZE, num_pages, page_mismatch, replay_pages, whole_pages
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
@@ -162,7 +162,7 @@ def recorded_plan(
         if plen - 1 + len(row) > seq_len:
             raise ValueError(f"row {i}: prompt {plen} + {len(row)} budgets do not fit in {seq_len} positions")
         b = torch.as_tensor(list(row), dtype=torch.long)
-        if bool((b < 0).any()) or bool((b % PAGE_SIZE != 0).any()):
+        if bool((b < 0).any()) or not bool(whole_pages(b).all()):
             raise ValueError(f"row {i}: budgets must be non-negative multiples of {PAGE_SIZE} tokens")
         budgets[i, plen - 1 : plen - 1 + len(row)] = replay_pages(b, every_page)
     return TeacherForcedPlan(budgets=budgets, sink=sink, local=local, dense_layers=dense_layers, backend=backend)

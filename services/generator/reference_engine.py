@@ -28,7 +28,7 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
-from sparrow.budget import page_mismatch, pages, step_budget
+from sparrow.budget import in_pages, page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.prompts import stop_token_ids
 from sparrow.schedule import Schedule
@@ -144,7 +144,7 @@ class ReferenceEngine(RolloutEngine):
             lens = lens + 1
             cache.start_step(lens)
             if plan is not None:
-                cache.budgets = torch.where(probing, pages(plan.budget_tokens(lens)), cache.budgets)
+                cache.budgets = torch.where(probing, in_pages(plan.budget_tokens(lens)), cache.budgets)
             # What each row reports, as in vLLM (0 where its budget covered the whole context).
             budgets = torch.where(probing, step_budget(plan, lens), step_budget(schedule, lens))
             out = self.model(

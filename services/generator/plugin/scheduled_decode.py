@@ -48,7 +48,7 @@ from typing import ClassVar
 import torch
 
 from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, num_pages, sparse_decode_attention
-from sparrow.budget import pages
+from sparrow.budget import in_pages
 from sparrow.schedule import Schedule, per_bin
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
@@ -272,7 +272,7 @@ class ScheduledDecode:
         s = self.schedule
         cached = self._budget_table
         if cached is None or cached[0] is not s or cached[1].device != seq_lens.device:
-            cached = (s, to_device([pages(b, s.page_size) for b in s.budgets], torch.int64, seq_lens.device))
+            cached = (s, to_device([in_pages(b, s.page_size) for b in s.budgets], torch.int64, seq_lens.device))
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
         budgets = cached[1][bins]
@@ -341,7 +341,7 @@ class ScheduledDecode:
                 bounds, budgets = DecodeBounds(max(lens, default=0), 0), None
             else:
                 bins = [s.bin_of(n) for n in lens]
-                budgets = [pages(s.budgets[b], s.page_size) for b in bins]
+                budgets = [in_pages(s.budgets[b], s.page_size) for b in bins]
                 for r, rid in enumerate(ids or ()):
                     if rid is not None and rid.startswith(PROBE_PREFIX):
                         budgets[r] = self.probe_pages[bins[r]]
