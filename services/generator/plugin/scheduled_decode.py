@@ -18,8 +18,11 @@ is read from the model runner's batch (`row_ids`, set with the plan), in row ord
 
 Dense rows: rows whose request id carries `DENSE_PREFIX` (evaluation samples) attend to every page
 in every layer, whatever the schedule or the probe, beside sparse rows in the same batch: their
-budget is their whole page count. Their ids come from `dense_row_ids`, which the worker installs
-once (`SparrowWorkerExtension.sparrow_track_rows`); without it no row is told apart.
+budget is their whole page count. Their ids come from the context's `dense_row_ids`, which the
+worker installs once (`SparrowWorkerExtension.sparrow_track_rows`); without it no row is told apart.
+
+What the layers of a worker share (the batch's request ids, the step's host plan) is a
+`DecodeContext` the worker hands to each of them (`context`), never state of this class.
 
 Static decode (`static_decode_rows`), for a step a CUDA graph captures once and replays at later
 steps: a replay repeats the capture's kernels with the capture's sizes, scalars and addresses, and
@@ -43,11 +46,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
 import torch
 
 from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, num_pages, sparse_decode_attention
+from services.generator.plugin.decode_context import DecodeContext
 from sparrow.budget import in_pages
 from sparrow.schedule import Schedule, per_bin
 
@@ -210,7 +213,8 @@ class ScheduledDecode:
     """Mixin of an attention impl: the runtime-settable schedule and block-sparse decode under it.
 
     The impl sets `scale`, `layer_index` (from the layer name, on the first forward), `centroids`
-    (current page centroids of its cache), and may set `backend` and `workspace`.
+    (current page centroids of its cache), and may set `backend` and `workspace`. `context` is what
+    it shares with the other layers of its worker (its own until the worker gives it the shared one).
     """
 
     scale: float
@@ -225,14 +229,19 @@ class ScheduledDecode:
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
     _dense_rows: tuple[tuple, torch.Tensor] | None = None
-    # The last step's host plan, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds,
-    # budgets, budgets by device).
-    _last_plan: ClassVar[tuple | None] = None
     static: StaticBudgets | None = None  # this layer's tables, from its first static decode on
-    # The request ids of the running batch's rows while a probe plan is set (the same for every layer).
-    probe_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
-    # The request ids of the running batch's rows, always (the worker installs it): rows of dense requests.
-    dense_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
+    _context: DecodeContext | None = None
+
+    @property
+    def context(self) -> DecodeContext:
+        """What this layer shares with the other layers of its worker (see `decode_context`)."""
+        if self._context is None:
+            self._context = DecodeContext()
+        return self._context
+
+    @context.setter
+    def context(self, context: DecodeContext) -> None:
+        self._context = context
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense).
@@ -255,7 +264,7 @@ class ScheduledDecode:
         self.probe_pages = None if pages is None else tuple(int(p) for p in pages)
         self.row_ids = row_ids
         self._probe_rows = None
-        ScheduledDecode.probe_row_ids = row_ids
+        self.context.probe_row_ids = row_ids
         if self.static is not None:
             self.static.fill(self.schedule, self._dense_under(self.schedule), self.probe_pages)
 
@@ -296,7 +305,7 @@ class ScheduledDecode:
 
     def _dense_mask(self, count: int | None, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """True for the rows (as in `_probe_mask`) of dense requests; None when there are none."""
-        return self._row_mask("_dense_rows", DENSE_PREFIX, ScheduledDecode.dense_row_ids, count, rows, device)
+        return self._row_mask("_dense_rows", DENSE_PREFIX, self.context.dense_row_ids, count, rows, device)
 
     def _row_mask(self, attr: str, prefix: str, source, count, rows, device) -> torch.Tensor | None:
         ids = source() if source is not None else ()
@@ -331,10 +340,10 @@ class ScheduledDecode:
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
         n = seq_lens_cpu.shape[0]
         ids = tuple(self.row_ids()[:n]) if probing and self.row_ids is not None else None
-        source = ScheduledDecode.dense_row_ids
+        source = self.context.dense_row_ids
         dense_ids = tuple(source()[:n]) if s is not None and source is not None else None
         probe = (self.probe_pages, ids, dense_ids)
-        last = ScheduledDecode._last_plan
+        last = self.context.last_plan
         if last is None or last[0] is not seq_lens_cpu or last[1] is not s or last[2] != probe:
             lens = seq_lens_cpu.tolist()
             if s is None:
@@ -350,7 +359,7 @@ class ScheduledDecode:
                         budgets[r] = num_pages(lens[r])  # every page: the row attends to its whole context
                 bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
             last = (seq_lens_cpu, s, probe, bounds, budgets, {})
-            ScheduledDecode._last_plan = last
+            self.context.last_plan = last
         bounds, budgets, on_device = last[3:]
         if budgets is None or device is None:
             return bounds, None
@@ -415,18 +424,6 @@ class ScheduledDecode:
         st.fill(s, self._dense_under(s), self.probe_pages)
         self.static = st
         return st
-
-    @staticmethod
-    def current_probe_row_ids() -> Sequence[str | None] | None:
-        """The running batch's request ids in row order while a probe plan is set, else None."""
-        source = ScheduledDecode.probe_row_ids
-        return None if source is None else source()
-
-    @staticmethod
-    def current_dense_row_ids() -> Sequence[str | None] | None:
-        """The running batch's request ids in row order once the worker tracks them (for dense rows), else None."""
-        source = ScheduledDecode.dense_row_ids
-        return None if source is None else source()
 
     def decode_rows(
         self,
