@@ -36,10 +36,11 @@ import torch
 from sparrow.budget import num_pages, reproducible
 from trainer import lm_head, sparse_attention
 from trainer.batch import Rollout, collate
+from trainer.scoring import response_hidden
 
 if TYPE_CHECKING:
-    from trainer.distill import BlockRule
     from trainer.lora import LoraAdapter
+    from trainer.sparse_attention import BlockRule
 
 log = logging.getLogger("sparrow.trainer.exact_alpha")
 
@@ -190,7 +191,6 @@ class ExactAlpha:
         import contextlib
 
         from trainer.distributed import compute_device
-        from trainer.rl_update import response_hidden
 
         if self._rule is None:
             self.begin_step()

@@ -27,6 +27,20 @@ ATTN_IMPLEMENTATION = "sparrow_block_sparse"
 
 
 @dataclass(frozen=True)
+class BlockRule:
+    """What the schedule fixes besides the budgets: sink and local blocks, and the layers that stay dense."""
+
+    sink: int = 1
+    local: int = 2
+    dense_layers: frozenset[int] = frozenset({0, 1})
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> BlockRule:
+        """The rule of a schedule (budgets come from the rollouts themselves)."""
+        return cls(schedule.sink_blocks, schedule.local_blocks, frozenset(schedule.dense_layers))
+
+
+@dataclass(frozen=True)
 class TeacherForcedPlan:
     """Budgets of one teacher-forced forward: `budgets` [batch, seq] in pages, position t under budgets[:, t]."""
 
