@@ -113,3 +113,113 @@ def test_the_guard_sees_a_second_rule():
     ops = [n for n in ast.walk(tree) if isinstance(n, ast.BinOp) and _names_page(n.right)]
     assert len(ops) == 2
     assert [n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)] == ["reproducible"]
+
+
+# -- no import circles ---------------------------------------------------------------------------------
+
+
+def module_name(rel: str) -> str:
+    """`services/generator/plugin/__init__.py` -> `services.generator.plugin`."""
+    parts = rel[: -len(".py")].split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(rel): rel for rel, _ in FILES}
+
+
+def imported_modules(rel: str, tree: ast.Module) -> set[str]:
+    """The project's modules that `rel` imports anywhere: at the top, inside functions, under TYPE_CHECKING."""
+    here = module_name(rel)
+    package = here if rel.endswith("__init__.py") else here.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from a import b` imports the module a.b when there is one, else a name of a.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:  # `import a.b.c` of a name inside a module
+                target = target.rpartition(".")[0]
+            if target and target != here:
+                out.add(target)
+    return out
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            step = next(edges, None)
+            if step is not None:
+                if step not in index:
+                    index[step] = low[step] = len(index)
+                    stack.append(step)
+                    on_stack.add(step)
+                    work.append((step, iter(sorted(graph.get(step, ())))))
+                elif step in on_stack:
+                    low[node] = min(low[node], index[step])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+GRAPH = {module_name(rel): imported_modules(rel, tree) for rel, tree in FILES}
+
+
+def test_the_import_graph_is_read():
+    assert "kernels.pages" in GRAPH["sparrow.budget"]
+    assert "trainer.exact_alpha" in GRAPH["trainer.rl_update"]  # an import inside a function counts
+    assert "sparrow.schedule" in GRAPH["trainer.sparse_attention"]  # and one under TYPE_CHECKING
+    assert "kernels.layout" in GRAPH["kernels.select"]  # and a relative one
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert circles(graph) == [["a", "b", "c"]]
+
+
+def test_no_import_circle():
+    found = circles(GRAPH)
+    ties = [" <-> ".join(c) + ": " + "; ".join(f"{m} -> {sorted(GRAPH[m] & set(c))}" for m in c) for c in found]
+    assert not found, "import circles:\n" + "\n".join(ties)
+
+
+def test_kernels_import_nothing_of_ours_and_the_core_no_service():
+    ours = {name.split(".")[0] for name in MODULES}
+    for name, targets in GRAPH.items():
+        roots = {t.split(".")[0] for t in targets}
+        if name.split(".")[0] == "kernels":
+            assert roots <= {"kernels"}, f"{name} imports {sorted(targets)}"
+        if name.split(".")[0] == "sparrow":
+            assert roots & ours <= {"sparrow", "kernels"}, f"{name} imports {sorted(targets)}"
