@@ -81,8 +81,8 @@ def _run(case: Case, model, optimizer, rollout) -> None:
     from trainer import lm_head
     from trainer.batch import collate
     from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss, sampled_logprobs
-    from trainer.rl_update import UpdateConfig, dense_scores, grpo_update, response_hidden
-    from trainer.scoring import Scorer, scaled_logprobs
+    from trainer.rl_update import UpdateConfig, dense_scores, grpo_update
+    from trainer.scoring import Scorer, response_hidden, scaled_logprobs
 
     device = torch.device(case.device)
     adv = torch.tensor([1.0])

@@ -19,8 +19,9 @@ from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import EngineVersions
 from services.generator.policy_relay import HeldPolicy, RelayServer
 from services.generator.policy_source import PolicySource
+from services.generator.version_sync import VersionSync, VersionWatcher
 from services.generator.weight_checks import check_policy, check_policy_names
-from services.generator.weight_fetch import VersionSync, VersionWatcher, WeightFetcher
+from services.generator.weight_fetch import WeightFetcher
 from sparrow.weight_delta import folder_tensors, tensors_digest
 
 

@@ -6,74 +6,60 @@ a Triton kernel (`*_triton`, for GPUs); scoring, selection and decode attention 
 CPU extension (`kernels.cpu`) that reads the paged cache in place. The public names dispatch by
 `backend` ("auto": Triton for CUDA tensors, the CPU extension for CPU tensors when it builds,
 the reference otherwise). This package imports nothing else of the project.
+
+The names load lazily, each from its module on first use: the core names the page size
+(`kernels.pages`, plain Python) without paying for torch and Triton.
 """
 
-from .backend import BACKENDS, resolve_backend
-from .centroids import (
-    new_centroids,
-    update_centroids,
-    update_centroids_at_slots_triton,
-    update_centroids_ref,
-    update_centroids_triton,
-)
-from .decode import (
-    block_sparse_decode,
-    sparse_decode_attention,
-    sparse_decode_attention_ref,
-    sparse_decode_attention_triton,
-)
-from .layout import PAGE_SIZE, num_pages
-from .select import (
-    DecodeBounds,
-    budget_pages,
-    decode_bounds,
-    group_mean_query,
-    score_blocks,
-    score_blocks_ref,
-    score_blocks_triton,
-    select_blocks,
-    select_blocks_ref,
-    select_blocks_triton,
-    selection_mask_ref,
-)
-from .teacher_forced import (
-    as_paged_cache,
-    teacher_forced_attention,
-    teacher_forced_attention_ref,
-    teacher_forced_attention_triton,
-    teacher_forced_selection_ref,
-)
-from .workspace import Workspace
+from __future__ import annotations
 
-__all__ = [
-    "BACKENDS",
-    "DecodeBounds",
-    "PAGE_SIZE",
-    "resolve_backend",
-    "Workspace",
-    "as_paged_cache",
-    "block_sparse_decode",
-    "budget_pages",
-    "decode_bounds",
-    "group_mean_query",
-    "new_centroids",
-    "num_pages",
-    "score_blocks",
-    "score_blocks_ref",
-    "score_blocks_triton",
-    "select_blocks",
-    "select_blocks_ref",
-    "select_blocks_triton",
-    "selection_mask_ref",
-    "sparse_decode_attention",
-    "sparse_decode_attention_ref",
-    "sparse_decode_attention_triton",
-    "teacher_forced_attention",
-    "teacher_forced_attention_ref",
-    "teacher_forced_attention_triton",
-    "teacher_forced_selection_ref",
-    "update_centroids",
-    "update_centroids_at_slots_triton",
-    "update_centroids_ref",
-    "update_centroids_triton",
-]
+import importlib
+
+# Public name -> the module of this package that defines it.
+_HOMES = {
+    "BACKENDS": "backend",
+    "resolve_backend": "backend",
+    "new_centroids": "centroids",
+    "update_centroids": "centroids",
+    "update_centroids_at_slots_triton": "centroids",
+    "update_centroids_ref": "centroids",
+    "update_centroids_triton": "centroids",
+    "block_sparse_decode": "decode",
+    "sparse_decode_attention": "decode",
+    "sparse_decode_attention_ref": "decode",
+    "sparse_decode_attention_triton": "decode",
+    "PAGE_SIZE": "pages",
+    "num_pages": "pages",
+    "DecodeBounds": "inputs",
+    "budget_pages": "select",
+    "decode_bounds": "inputs",
+    "group_mean_query": "inputs",
+    "score_blocks": "select",
+    "score_blocks_ref": "select",
+    "score_blocks_triton": "select",
+    "select_blocks": "select",
+    "select_blocks_ref": "select",
+    "select_blocks_triton": "select",
+    "selection_mask_ref": "select",
+    "as_paged_cache": "teacher_forced",
+    "teacher_forced_attention": "teacher_forced",
+    "teacher_forced_attention_ref": "teacher_forced",
+    "teacher_forced_attention_triton": "teacher_forced",
+    "teacher_forced_selection_ref": "teacher_forced",
+    "Workspace": "workspace",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

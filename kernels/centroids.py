@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend
-from .layout import PAGE_SIZE, check_centroids, check_paged_cache, num_pages, page_location
+from .layout import check_centroids, check_paged_cache, page_location
+from .pages import PAGE_SIZE, num_pages
 
 
 def new_centroids(k_cache: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .inputs import check_decode_inputs, check_selection_inputs, group_mean_query
 from .layout import check_centroids, check_paged_cache
-from .select import check_selection_inputs, group_mean_query
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,6 @@ def sparse_decode_attention_cpu(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `sparse_decode_attention_ref`, computed by the CPU extension (no gradients)."""
-    from .decode import check_decode_inputs
-
     check_paged_cache(k_cache, v_cache, block_table, seq_lens)
     check_decode_inputs(q, k_cache, page_indices)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale

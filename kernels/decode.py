@@ -14,35 +14,14 @@ import triton
 import triton.language as tl
 
 from .backend import check_same_device, check_unit_stride, resolve_backend, triton_interpreted
-from .layout import PAGE_SIZE, check_budgets, check_centroids, check_paged_cache, flat_page_index, num_pages
-from .select import DecodeBounds, score_blocks, select_blocks
+from .inputs import DecodeBounds, check_decode_inputs
+from .layout import check_budgets, check_centroids, check_paged_cache, flat_page_index
+from .pages import PAGE_SIZE, num_pages
+from .select import score_blocks, select_blocks
 from .workspace import Workspace
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 LOG2E = 1.4426950408889634
-
-
-def check_decode_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    page_indices: torch.Tensor | None,
-    seq_lens: torch.Tensor | None = None,
-) -> None:
-    """Raise ValueError when the query or the page indices do not fit the cache (or `seq_lens`' rows)."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [rows, q_heads, head_dim], got shape {tuple(q.shape)}")
-    if seq_lens is not None and q.shape[0] != seq_lens.shape[0]:
-        raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {seq_lens.shape[0]}")
-    if q.shape[2] != k_cache.shape[3]:
-        raise ValueError(f"q head_dim {q.shape[2]} differs from the cache's {k_cache.shape[3]}")
-    if q.shape[1] % k_cache.shape[1] != 0:
-        raise ValueError(f"{q.shape[1]} query heads cannot share {k_cache.shape[1]} KV heads evenly")
-    if page_indices is not None and (
-        page_indices.dim() != 3 or page_indices.shape[:2] != (q.shape[0], k_cache.shape[1])
-    ):
-        raise ValueError(
-            f"page_indices must be [rows={q.shape[0]}, kv_heads={k_cache.shape[1]}, n], got {tuple(page_indices.shape)}"
-        )
 
 
 def sparse_decode_attention_ref(

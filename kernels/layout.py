@@ -15,12 +15,7 @@ from __future__ import annotations
 
 import torch
 
-PAGE_SIZE = 16
-
-
-def num_pages(seq_lens: torch.Tensor | int) -> torch.Tensor | int:
-    """Pages (16-token blocks) that hold `seq_lens` tokens, the last one possibly partial (a tensor or an int)."""
-    return (seq_lens + PAGE_SIZE - 1) // PAGE_SIZE
+from .pages import PAGE_SIZE
 
 
 def check_budgets(budgets: torch.Tensor | None, seq_lens: torch.Tensor) -> None:

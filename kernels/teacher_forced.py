@@ -15,7 +15,7 @@ import torch
 from .backend import resolve_backend
 from .centroids import new_centroids, update_centroids_ref, update_centroids_triton
 from .decode import sparse_decode_attention_triton
-from .layout import PAGE_SIZE
+from .pages import PAGE_SIZE
 from .select import score_blocks, score_blocks_triton, select_blocks_triton, selection_mask_ref
 
 

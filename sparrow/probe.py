@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sparrow.budget import in_pages, whole_pages
 from sparrow.schedule import INT32_MAX, INT64_MAX, Schedule, per_bin
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class Probe:
         for i, b in enumerate(self.budgets):
             if b is None:
                 continue
-            if b % schedule.page_size:
+            if not whole_pages(b, schedule.page_size):
                 raise ProbeError(
                     f"probe budget of bin {i} ({b}) is not a multiple of the page size {schedule.page_size}"
                 )
@@ -142,7 +143,7 @@ class ProbePlan:
 
     def pages(self) -> list[int]:
         """Budget in pages per bin (what the attention layers take)."""
-        return [b // self.schedule.page_size for b in self.budgets]
+        return [in_pages(b, self.schedule.page_size) for b in self.budgets]
 
     def budget_tokens(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Probe budget in tokens for every KV length in `kv_lens`."""

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sparrow.budget import PAGE_SIZE, in_pages, whole_pages
+
 if TYPE_CHECKING:
     import torch
 
-PAGE_SIZE = 16
 DEFAULT_BIN_WIDTH = 2000
 # The wire API (proto/sparrow/v1/common.proto) carries the version as int64 and every other number as
 # int32; a schedule it cannot carry would be published, then fail every generator that reports it.
@@ -71,7 +72,7 @@ class Schedule:
             _require_at_most(b, INT32_MAX, f"budget of bin {i}")
             if b <= 0:
                 raise ScheduleError(f"budget of bin {i} must be positive, got {b}")
-            if b % self.page_size:
+            if not whole_pages(b, self.page_size):
                 raise ScheduleError(
                     f"budget of bin {i} ({b} tokens) is not a multiple of the page size {self.page_size}"
                 )
@@ -122,7 +123,7 @@ class Schedule:
 
     def budget_pages(self, kv_lens: torch.Tensor) -> torch.Tensor:
         """Scheduled budget in pages (blocks) for every KV length in `kv_lens`."""
-        return self.budget_tokens(kv_lens) // self.page_size
+        return in_pages(self.budget_tokens(kv_lens), self.page_size)
 
     def with_budgets(self, budgets: list[int] | tuple[int, ...], name: str | None = None) -> Schedule:
         """A new version of this schedule with other budgets (validated like any schedule)."""

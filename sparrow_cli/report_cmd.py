@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
     """Rebuild the report and say where it is."""
     from pathlib import Path
 
-    from services.launcher.report import ReportError, build_any_report
+    from services.launcher.compare import build_any_report
+    from services.launcher.report import ReportError
     from sparrow_cli.output import emit_json
 
     try:

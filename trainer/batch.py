@@ -165,3 +165,12 @@ def generator_topk(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, torch.Ten
         out_ids[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
         out_lps[i, : len(lps)] = torch.as_tensor(lps, dtype=torch.float32)
     return out_ids, out_lps
+
+
+# A rank with fewer micro-batches than the busiest one pads with passes over this 2-token rollout.
+PAD_ROLLOUT = Rollout("", 0, (0,), (0,), (0.0,), (), ())
+
+
+def pad_batch(device: torch.device) -> MicroBatch:
+    """A 2-token micro-batch whose one response token carries no weight: a rank's padding pass."""
+    return collate([PAD_ROLLOUT], torch.zeros(1), [0]).to(device)

@@ -46,29 +46,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparrow.acceptance import alpha_exact
+from sparrow.budget import kept_budget
 from trainer import distributed, lm_head, sparse_attention
-from trainer.batch import MicroBatch, Rollout, micro_batches
+from trainer.batch import PAD_ROLLOUT, MicroBatch, Rollout, micro_batches, pad_batch
 from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
 from trainer.lora import LoraAdapter
-from trainer.rl_update import PAD_ROLLOUT, pad_batch, place, response_hidden
+from trainer.scoring import place, response_hidden
+from trainer.sparse_attention import BlockRule
 
 if TYPE_CHECKING:
-    from sparrow.schedule import Schedule
     from trainer.reference_generate import Generation
-
-
-@dataclass(frozen=True)
-class BlockRule:
-    """What the schedule fixes besides the budgets: sink and local blocks, and the layers that stay dense."""
-
-    sink: int = 1
-    local: int = 2
-    dense_layers: frozenset[int] = frozenset({0, 1})
-
-    @classmethod
-    def of(cls, schedule: Schedule) -> BlockRule:
-        """The rule of a schedule (budgets come from the rollouts themselves)."""
-        return cls(schedule.sink_blocks, schedule.local_blocks, frozenset(schedule.dense_layers))
 
 
 @dataclass(frozen=True)
@@ -403,7 +390,7 @@ def rollout_of(prompt: Sequence[int], generation: Generation, group_id: str = ""
     budget; a generator reports 0 for the first token and for any budget covering the context.
     """
     plen = len(prompt)
-    budgets = tuple(0 if t == 0 or b >= plen + t else int(b) for t, b in enumerate(generation.budgets.tolist()))
+    budgets = tuple(0 if t == 0 else kept_budget(int(b), plen + t) for t, b in enumerate(generation.budgets.tolist()))
     return Rollout(
         group_id=group_id,
         sample_index=sample_index,

@@ -33,19 +33,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sparrow.budget import num_pages, reproducible
 from trainer import lm_head, sparse_attention
 from trainer.batch import Rollout, collate
+from trainer.scoring import response_hidden
 
 if TYPE_CHECKING:
-    from trainer.distill import BlockRule
     from trainer.lora import LoraAdapter
+    from trainer.sparse_attention import BlockRule
 
 log = logging.getLogger("sparrow.trainer.exact_alpha")
-
-
-def reproducible(rollout: Rollout) -> bool:
-    """Whether the teacher-forced forward can reproduce the budgets the rollout's tokens were decoded with."""
-    return len(rollout.kv_budgets) in (0, len(rollout.token_ids)) and all(b % 16 == 0 for b in rollout.kv_budgets)
 
 
 # Row sums in float32 over blocks of this many entries, the blocks' partial sums added in float64.
@@ -194,12 +191,11 @@ class ExactAlpha:
         import contextlib
 
         from trainer.distributed import compute_device
-        from trainer.rl_update import response_hidden
 
         if self._rule is None:
             self.begin_step()
         rule = self._rule
-        fixed = [r if reproducible(r) else _without_budgets(r) for r in rollouts]
+        fixed = [r if reproducible(r.kv_budgets, len(r.token_ids)) else _without_budgets(r) for r in rollouts]
         mb = collate(fixed, torch.zeros(len(fixed)), list(range(len(fixed))))
         mb = mb.to(compute_device(self.policy))
         plan = sparse_attention.recorded_plan(
@@ -221,14 +217,12 @@ class ExactAlpha:
 def sparse_rows(budgets: torch.Tensor, mask: torch.Tensor, served: torch.Tensor) -> torch.Tensor:
     """[tokens] bool, the response rows (under `mask` [b, T - 1]) whose sparse forward can differ from the dense one.
 
-    `budgets` [b, T] in pages are a plan's; position s holds s // 16 + 1 pages, so a budget of at
+    `budgets` [b, T] in pages are a plan's; position s holds num_pages(s + 1) pages, so a budget of at
     least that many attends to all of them (densely). The hidden state at position t is the dense
     one when every position up to t did, in every layer; a row of a rollout `served` [b] with the
     adapter always differs (its sparse side is another model).
     """
-    from kernels import PAGE_SIZE
-
-    held = torch.arange(budgets.shape[1], dtype=torch.long) // PAGE_SIZE + 1
+    held = num_pages(torch.arange(1, budgets.shape[1] + 1, dtype=torch.long))
     selecting = (budgets.cpu() < held[None, :]).long().cummax(dim=1).values.bool()  # any position <= t selected
     differs = selecting[:, :-1] | served[:, None]
     return differs[mask]
@@ -236,7 +230,10 @@ def sparse_rows(budgets: torch.Tensor, mask: torch.Tensor, served: torch.Tensor)
 
 def unreproducible_mask(rollouts: Sequence[Rollout]) -> torch.Tensor:
     """[tokens] bool: the tokens of rollouts whose budgets the teacher-forced forward cannot reproduce."""
-    parts = [torch.full((len(r.token_ids),), not reproducible(r), dtype=torch.bool) for r in rollouts]
+    parts = [
+        torch.full((len(r.token_ids),), not reproducible(r.kv_budgets, len(r.token_ids)), dtype=torch.bool)
+        for r in rollouts
+    ]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
 
 

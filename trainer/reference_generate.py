@@ -15,13 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sparrow.budget import PAGE_SIZE, num_pages, page_mismatch
 from trainer import sparse_attention
 from trainer.scoring import TOP_K, TokenScores, scaled_logprobs, token_scores
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
-
-PAGE_SIZE = 16
 
 
 @dataclass
@@ -50,8 +49,8 @@ class PagedDecodeCache:
         param = next(model.parameters())
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         rows = prompt_lens.shape[0]
-        padded = -(-capacity // PAGE_SIZE) * PAGE_SIZE
-        shape = (rows, cfg.num_key_value_heads, padded, head_dim)
+        every_page = num_pages(capacity)
+        shape = (rows, cfg.num_key_value_heads, every_page * PAGE_SIZE, head_dim)
         self.k = [torch.zeros(shape, dtype=param.dtype, device=param.device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros_like(k) for k in self.k]
         self.centroids = [new_centroids(k) for k in self.k]
@@ -62,7 +61,7 @@ class PagedDecodeCache:
         self.prefill = True
         self.prompt_lens = prompt_lens.to(param.device)
         self.seq_lens = self.prompt_lens.clone()
-        self.budgets = torch.full_like(self.seq_lens, padded // PAGE_SIZE)
+        self.budgets = torch.full_like(self.seq_lens, every_page)
 
     def start_step(self, seq_lens: torch.Tensor) -> None:
         """Enter decode step whose rows hold `seq_lens` tokens once the new token is written (its KV length)."""
@@ -149,8 +148,8 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if schedule is not None and schedule.page_size != PAGE_SIZE:
-        raise ValueError(f"the kernels select {PAGE_SIZE}-token pages; schedule page_size is {schedule.page_size}")
+    if schedule is not None and (mismatch := page_mismatch(schedule.page_size)):
+        raise ValueError(mismatch)
     sparse_attention.install(model).eval()
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -179,7 +178,7 @@ def generate(
             break
         lens = lens + 1  # the token just sampled enters the cache at position lens - 1
         cache.start_step(lens)
-        budgets = cache.budgets * PAGE_SIZE if schedule is not None else lens.clone()
+        budgets = schedule.budget_tokens(lens) if schedule is not None else lens.clone()
         out = model(input_ids=nxt[:, None], position_ids=(lens - 1)[:, None], use_cache=False, sparrow_cache=cache)
         logits = out.logits[:, 0]
     return [_row(steps, i, int(plens[i]), eos_id) for i in range(b)]

@@ -24,9 +24,9 @@ import torch
 
 from sparrow.acceptance import alpha_topk
 from trainer import distributed, lm_head
-from trainer.batch import MicroBatch, Rollout, collate, generator_topk, micro_batches, plan_micro_batches
+from trainer.batch import PAD_ROLLOUT, MicroBatch, Rollout, generator_topk, micro_batches, pad_batch, plan_micro_batches
 from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
-from trainer.scoring import Scorer, TokenScores, compute_dtype
+from trainer.scoring import Scorer, TokenScores, masked_logprobs
 
 if TYPE_CHECKING:
     from trainer.exact_alpha import ExactAlpha
@@ -206,55 +206,11 @@ def grpo_update(
     return out
 
 
-# A rank with fewer micro-batches than the busiest one pads with passes over this 2-token rollout.
-PAD_ROLLOUT = Rollout("", 0, (0,), (0,), (0.0,), (), ())
-
-
-def pad_batch(device: torch.device) -> MicroBatch:
-    """A 2-token micro-batch whose one response token carries no weight: a rank's padding pass."""
-    return collate([PAD_ROLLOUT], torch.zeros(1), [0]).to(device)
-
-
 def _micro_loss(
     model: torch.nn.Module, mb: MicroBatch, old: torch.Tensor, config: UpdateConfig, num_tokens: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, float]]:
     logprobs = masked_logprobs(model, mb, config.temperature, config.lm_head_chunk, config.dtype)
     return grpo_tis_loss(logprobs, old, mb.rollout_logprobs, mb.advantages, mb.mask, config.grpo, num_tokens)
-
-
-def response_hidden(model: torch.nn.Module, mb: MicroBatch, dtype: torch.dtype | None = None, **extra) -> torch.Tensor:
-    """The last hidden states [tokens, hidden] of the micro-batch's response positions (under `mb.mask`), in order.
-
-    Position t's hidden state scores the token at t + 1; `extra` goes to the decoder (e.g.
-    `sparrow_plan` for the sparse actor). Prompt and padding positions never reach the LM head.
-    """
-    with compute_dtype(mb.input_ids.device, dtype):
-        hidden = lm_head.hidden_states(model, mb.input_ids, mb.attention_mask, **extra)[:, :-1]
-    return hidden[mb.mask.bool()]
-
-
-def place(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
-    """Per-token values [tokens] of the response positions laid out as [b, T - 1] (0 elsewhere), differentiably."""
-    keep = mb.mask.bool()
-    return torch.zeros(mb.mask.shape, dtype=values.dtype, device=values.device).index_put((keep,), values)
-
-
-def masked_logprobs(
-    model: torch.nn.Module,
-    mb: MicroBatch,
-    temperature: float,
-    chunk: int = lm_head.DEFAULT_CHUNK,
-    dtype: torch.dtype | None = None,
-    **extra,
-) -> torch.Tensor:
-    """Logprobs [b, T - 1] of the micro-batch's targets on its response positions (0 elsewhere), with gradients.
-
-    Only the positions under `mb.mask` reach the LM head, `chunk` at a time.
-    """
-    rows = response_hidden(model, mb, dtype, **extra)
-    targets = mb.targets[mb.mask.bool()]
-    head = lm_head.token_logprobs(rows, lm_head.output_weight(model), targets, temperature, chunk, dtype=dtype)
-    return place(mb, head.logprobs)
 
 
 def learn(

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer import lm_head, sparse_attention
+from trainer.batch import MicroBatch
 
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
@@ -180,3 +181,38 @@ def compute_dtype(device: torch.device, dtype: torch.dtype | None):
     if dtype is None or dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def response_hidden(model: torch.nn.Module, mb: MicroBatch, dtype: torch.dtype | None = None, **extra) -> torch.Tensor:
+    """The last hidden states [tokens, hidden] of the micro-batch's response positions (under `mb.mask`), in order.
+
+    Position t's hidden state scores the token at t + 1; `extra` goes to the decoder (e.g.
+    `sparrow_plan` for the sparse actor). Prompt and padding positions never reach the LM head.
+    """
+    with compute_dtype(mb.input_ids.device, dtype):
+        hidden = lm_head.hidden_states(model, mb.input_ids, mb.attention_mask, **extra)[:, :-1]
+    return hidden[mb.mask.bool()]
+
+
+def place(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
+    """Per-token values [tokens] of the response positions laid out as [b, T - 1] (0 elsewhere), differentiably."""
+    keep = mb.mask.bool()
+    return torch.zeros(mb.mask.shape, dtype=values.dtype, device=values.device).index_put((keep,), values)
+
+
+def masked_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    chunk: int = lm_head.DEFAULT_CHUNK,
+    dtype: torch.dtype | None = None,
+    **extra,
+) -> torch.Tensor:
+    """Logprobs [b, T - 1] of the micro-batch's targets on its response positions (0 elsewhere), with gradients.
+
+    Only the positions under `mb.mask` reach the LM head, `chunk` at a time.
+    """
+    rows = response_hidden(model, mb, dtype, **extra)
+    targets = mb.targets[mb.mask.bool()]
+    head = lm_head.token_logprobs(rows, lm_head.output_weight(model), targets, temperature, chunk, dtype=dtype)
+    return place(mb, head.logprobs)

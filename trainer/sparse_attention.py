@@ -18,10 +18,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sparrow.budget import PAGE_SIZE, num_pages, page_mismatch, replay_pages, whole_pages
+
 if TYPE_CHECKING:
     from sparrow.schedule import Schedule
 
 ATTN_IMPLEMENTATION = "sparrow_block_sparse"
+
+
+@dataclass(frozen=True)
+class BlockRule:
+    """What the schedule fixes besides the budgets: sink and local blocks, and the layers that stay dense."""
+
+    sink: int = 1
+    local: int = 2
+    dense_layers: frozenset[int] = frozenset({0, 1})
+
+    @classmethod
+    def of(cls, schedule: Schedule) -> BlockRule:
+        """The rule of a schedule (budgets come from the rollouts themselves)."""
+        return cls(schedule.sink_blocks, schedule.local_blocks, frozenset(schedule.dense_layers))
 
 
 @dataclass(frozen=True)
@@ -66,17 +82,15 @@ def selection_loss(
     pages win the top-k, since the selection itself has no gradient. The dense probabilities are
     computed a chunk of positions at a time, `chunk_elements` at most.
     """
-    from kernels import PAGE_SIZE
-
     b, hq, t, d = query.shape
     h = key.shape[1]
     g = hq // h
     scaling = 1.0 / d**0.5 if scaling is None else scaling
-    pages = -(-t // PAGE_SIZE)
+    pages = num_pages(t)
     pad = pages * PAGE_SIZE - t
     device = query.device
     pos = torch.arange(t, device=device)
-    n = pos // PAGE_SIZE + 1  # pages holding positions 0..t
+    n = num_pages(pos + 1)  # pages holding positions 0..t
     page = torch.arange(pages, device=device)[None, :]
     cand = (page >= sink) & (page < (n - local)[:, None])  # [t, pages]: neither sink nor local
     selecting = (n[None, :] > budgets.to(device)) & cand.any(-1)[None, :]  # [b, t]
@@ -121,12 +135,12 @@ def teacher_forced_plan(
     get a budget covering every page. Padding positions come after every real one and no real
     position attends to them, whatever their budget.
     """
-    if schedule.page_size != 16:
-        raise ValueError(f"the kernels select 16-token pages; schedule page_size is {schedule.page_size}")
+    if mismatch := page_mismatch(schedule.page_size):
+        raise ValueError(mismatch)
     prompt_lens = torch.as_tensor(prompt_lens, dtype=torch.long)
     positions = torch.arange(seq_len, dtype=torch.long, device=prompt_lens.device)
     scheduled = schedule.budget_pages(positions + 1)
-    every_page = torch.full_like(scheduled, -(-seq_len // 16))
+    every_page = torch.full_like(scheduled, num_pages(seq_len))
     budgets = torch.where(positions[None, :] < prompt_lens[:, None], every_page[None, :], scheduled[None, :])
     return TeacherForcedPlan(
         budgets=budgets,
@@ -156,16 +170,15 @@ def recorded_plan(
     rows = len(prompt_lens)
     if len(kv_budgets) != rows:
         raise ValueError(f"{rows} prompt lengths but {len(kv_budgets)} budget lists")
-    every_page = -(-seq_len // 16)
+    every_page = num_pages(seq_len)
     budgets = torch.full((rows, seq_len), every_page, dtype=torch.long)
     for i, (plen, row) in enumerate(zip(prompt_lens, kv_budgets, strict=True)):
         if plen - 1 + len(row) > seq_len:
             raise ValueError(f"row {i}: prompt {plen} + {len(row)} budgets do not fit in {seq_len} positions")
         b = torch.as_tensor(list(row), dtype=torch.long)
-        if bool((b < 0).any()) or bool((b % 16 != 0).any()):
-            raise ValueError(f"row {i}: budgets must be non-negative multiples of 16 tokens")
-        pages = torch.where(b > 0, b // 16, torch.full_like(b, every_page))
-        budgets[i, plen - 1 : plen - 1 + len(row)] = pages
+        if bool((b < 0).any()) or not bool(whole_pages(b).all()):
+            raise ValueError(f"row {i}: budgets must be non-negative multiples of {PAGE_SIZE} tokens")
+        budgets[i, plen - 1 : plen - 1 + len(row)] = replay_pages(b, every_page)
     return TeacherForcedPlan(budgets=budgets, sink=sink, local=local, dense_layers=dense_layers, backend=backend)
 
 

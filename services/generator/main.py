@@ -81,7 +81,8 @@ class Generator:
         from services.generator.schedule_watch import ScheduleWatch
         from services.generator.service import GeneratorService
         from services.generator.trajectory_stream import Backoff
-        from services.generator.weight_fetch import VersionSync, VersionWatcher, WeightFetcher
+        from services.generator.version_sync import VersionSync, VersionWatcher
+        from services.generator.weight_fetch import WeightFetcher
         from services.generator.work_queue import WorkQueue
         from sparrow.presets import resolve_schedule
         from sparrow.schedule import ScheduleError

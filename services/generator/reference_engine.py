@@ -28,12 +28,13 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
+from sparrow.budget import in_pages, page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.prompts import stop_token_ids
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
 from trainer import sparse_attention
-from trainer.reference_generate import PAGE_SIZE, PagedDecodeCache
+from trainer.reference_generate import PagedDecodeCache
 from trainer.scoring import scaled_logprobs
 
 _PEFT_PREFIX = "base_model.model."
@@ -143,10 +144,9 @@ class ReferenceEngine(RolloutEngine):
             lens = lens + 1
             cache.start_step(lens)
             if plan is not None:
-                cache.budgets = torch.where(probing, plan.budget_tokens(lens) // PAGE_SIZE, cache.budgets)
-            # A budget that covers the whole context keeps every page: that position is dense (0), as in vLLM.
-            scheduled = cache.budgets * PAGE_SIZE if schedule is not None else torch.zeros_like(lens)
-            budgets = torch.where(scheduled < lens, scheduled, torch.zeros_like(scheduled))
+                cache.budgets = torch.where(probing, in_pages(plan.budget_tokens(lens)), cache.budgets)
+            # What each row reports, as in vLLM (0 where its budget covered the whole context).
+            budgets = torch.where(probing, step_budget(plan, lens), step_budget(schedule, lens))
             out = self.model(
                 input_ids=nxt[:, None], position_ids=(lens - 1)[:, None], use_cache=False, sparrow_cache=cache
             )
@@ -184,8 +184,8 @@ class ReferenceEngine(RolloutEngine):
     # ---- swaps --------------------------------------------------------------------------------------
 
     def set_schedule(self, schedule: Schedule | None) -> None:
-        if schedule is not None and schedule.page_size != PAGE_SIZE:
-            raise EngineError(f"the kernels select {PAGE_SIZE}-token pages; schedule page_size is {schedule.page_size}")
+        if schedule is not None and (mismatch := page_mismatch(schedule.page_size)):
+            raise EngineError(mismatch)
         self._schedule = schedule
         self._versions = EngineVersions(
             self._versions.policy_version, self._versions.adapter_version, schedule.version if schedule else 0

@@ -32,7 +32,8 @@ from services.generator.config import GeneratorConfig
 from services.generator.engine import FINISH_ABORTED, EngineError, EngineVersions, FinishedSample, RolloutEngine
 from services.generator.metrics import GeneratorMetrics
 from services.generator.trajectory_stream import Backoff, TrajectoryStream, to_trajectory
-from services.generator.weight_fetch import POLICY, VersionSync
+from services.generator.version_sync import VersionSync
+from services.generator.weight_fetch import POLICY
 from services.generator.work_queue import Claimed, WorkQueue
 from sparrow.probe import Probe
 from sparrow.schedule import Schedule

@@ -34,6 +34,7 @@ from services.generator.engine import (
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
 from services.generator.plugin.scheduled_decode import DENSE_PREFIX, PROBE_PREFIX
 from services.generator.weight_checks import check_adapter, check_policy, check_policy_names, checkpoint_layout
+from sparrow.budget import page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
 from sparrow.work import PromptGroup
@@ -157,8 +158,8 @@ class VllmEngine(RolloutEngine):
     def set_schedule(self, schedule: Schedule | None) -> None:
         if schedule is not None and not self.sparse_layers:
             raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
-        if schedule is not None and schedule.page_size != 16:
-            raise EngineError(f"the kernels select 16-token pages; schedule page_size is {schedule.page_size}")
+        if schedule is not None and (mismatch := page_mismatch(schedule.page_size)):
+            raise EngineError(mismatch)
         if self.sparse_layers:
             self._rpc("sparrow_set_schedule", None if schedule is None else schedule.to_json())
         self._schedule = schedule
@@ -363,11 +364,8 @@ class VllmEngine(RolloutEngine):
                 seq.top_ids.append([int(i) for _, i, _ in top])
                 seq.top_logprobs.append([float(lp) for _, _, lp in top])
             # Token 0 comes from the dense prefill; token t >= 1 from a decode step at KV length plen + t.
-            budget = 0
-            if t >= 1 and schedule is not None:
-                b = (plan or schedule).budget_for(plen + t)
-                budget = b if b < plen + t else 0
-            seq.budgets.append(budget)
+            source = None if t == 0 or schedule is None else plan or schedule
+            seq.budgets.append(step_budget(source, plen + t))
 
     def _finish(self, request_id: str, reason: str) -> FinishedSample:
         seq = self._sequences.pop(request_id)

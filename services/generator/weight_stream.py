@@ -13,7 +13,7 @@ Every check of the from-disk path happens on the way, before the engine is touch
 - finiteness, per tensor as soon as its last byte arrived (overlapping the rest of the download);
 - each file's size and sha256 against the manifest (`weight_fetch._Download`, over the same bytes);
 - at the end, that every serving tensor arrived exactly once.
-Only then does `weight_fetch.VersionSync` hand the staged tensors to the engine, which loads them in
+Only then does `version_sync.VersionSync` hand the staged tensors to the engine, which loads them in
 one engine-thread call (no step runs between two of its tensors); a version refused anywhere leaves
 the engine's weights untouched, so the old version keeps serving.
 

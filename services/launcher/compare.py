@@ -129,6 +129,15 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     return path, figs
 
 
+def build_any_report(run_dir: Path) -> tuple[Path, dict]:
+    """Rebuild a run's report, or a comparison's (a folder holding dense/ and sparse/ runs); (path, figures)."""
+    run_dir = Path(run_dir)
+    if (run_dir / "dense" / "metrics.jsonl").exists() and (run_dir / "sparse" / "metrics.jsonl").exists():
+        return build_compare_report(run_dir)
+    path = build_report(run_dir)
+    return path, headline(read_history(run_dir))
+
+
 def _plot(root: Path, key: str, title: str, out: Path) -> None:
     import matplotlib
 

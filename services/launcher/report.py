@@ -215,14 +215,3 @@ def _read_json(path: Path) -> dict:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def build_any_report(run_dir: Path) -> tuple[Path, dict]:
-    """Rebuild a run's report, or a comparison's (a folder holding dense/ and sparse/ runs); (path, figures)."""
-    run_dir = Path(run_dir)
-    if (run_dir / "dense" / "metrics.jsonl").exists() and (run_dir / "sparse" / "metrics.jsonl").exists():
-        from services.launcher.compare import build_compare_report
-
-        return build_compare_report(run_dir)
-    path = build_report(run_dir)
-    return path, headline(read_history(run_dir))

@@ -33,6 +33,7 @@ from services.trainer.config import DistillSection
 from services.trainer.weights import ADAPTER, WeightStore
 from sparrow import metrics_contract as mc
 from sparrow.acceptance import DEFAULT_QUANTILE, binned_stats
+from sparrow.budget import PAGE_SIZE, reproducible
 from trainer import distributed
 from trainer.batch import Rollout
 from trainer.distill import BlockRule, DistillConfig, DistillSparse
@@ -134,11 +135,6 @@ def fallback_rule(config: DistillSection) -> BlockRule:
     return BlockRule(config.sink_blocks, config.local_blocks, frozenset(config.dense_layers))
 
 
-def usable(rollout: Rollout) -> bool:
-    """Whether the teacher-forced forward can reproduce the rollout's per-position budgets."""
-    return len(rollout.kv_budgets) in (0, len(rollout.token_ids)) and all(b % 16 == 0 for b in rollout.kv_budgets)
-
-
 class DistillStep:
     """The adapter of one trainer: training, probes, metrics, publishing and its checkpoint state."""
 
@@ -190,11 +186,13 @@ class DistillStep:
 
     def run(self, step: int, rollouts: Sequence[Rollout], advantages: torch.Tensor) -> dict[str, Any]:
         """Train the adapter on the step's rollouts (after the dense update); probe when due. Returns figures."""
-        rows = [i for i, r in enumerate(rollouts) if usable(r)]
+        rows = [i for i, r in enumerate(rollouts) if reproducible(r.kv_budgets, len(r.token_ids))]
         skipped = len(rollouts) - len(rows)
         lead = distributed.rank() == 0  # the others train alike and stay quiet
         if skipped and lead:
-            log.warning("step %d: %d rollout(s) with budgets that are not multiples of 16 left out", step, skipped)
+            log.warning(
+                "step %d: %d rollout(s) with budgets that are not multiples of %d left out", step, skipped, PAGE_SIZE
+            )
         rule = self.rule_source()
         report: dict[str, Any] = {"skipped": skipped}
         c = self.config

@@ -59,6 +59,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from kernels import Workspace
 from services.generator.plugin import STATIC_DECODE
+from services.generator.plugin.decode_context import DecodeContext
 from services.generator.plugin.page_centroids import PageCentroids, page_ends
 from services.generator.plugin.scheduled_decode import (
     ProbeRows,
@@ -108,17 +109,17 @@ def with_decode_split(
 
 
 def with_static_decode(
-    metadata: SparrowTritonMetadata, max_seq_len: int, probe_rows: ProbeRows
+    metadata: SparrowTritonMetadata, max_seq_len: int, probe_rows: ProbeRows, context: DecodeContext
 ) -> SparrowTritonMetadata:
     """`metadata` of a step of pure decodes marked for static decode, the probe-row mask written
-    (when a probe plan is set); other steps unchanged. Runs in the builder, outside any graph: a
-    replay reads the mask written here, at the address its capture read."""
+    (when a probe plan is set in the layers' `context`); other steps unchanged. Runs in the builder,
+    outside any graph: a replay reads the mask written here, at the address its capture read."""
     if metadata.num_decode_tokens != metadata.num_actual_tokens:
         return metadata
-    ids = ScheduledDecode.current_probe_row_ids()
+    ids = context.current_probe_row_ids()
     if ids is not None:
         probe_rows.write(ids[: metadata.num_decodes])
-    dense_ids = ScheduledDecode.current_dense_row_ids()
+    dense_ids = context.current_dense_row_ids()
     if dense_ids is not None:
         probe_rows.write_dense(dense_ids[: metadata.num_decodes])
     return replace(metadata, static_max_seq_len=max_seq_len, probe_rows=probe_rows.mask, dense_rows=probe_rows.dense)
@@ -212,8 +213,18 @@ class SparrowTritonMetadataBuilder(TritonAttentionMetadataBuilder):
                 context = self.vllm_config.compilation_config.static_forward_context
                 layers = {name: context[name] for name in self.layer_names if name in context}
                 self.static_prepared = prepare_static_layers(layers, self.static_max_seq_len)
-            metadata = with_static_decode(metadata, self.static_max_seq_len, self.probe_rows)
+            metadata = with_static_decode(metadata, self.static_max_seq_len, self.probe_rows, self.decode_context())
         return metadata
+
+    def decode_context(self) -> DecodeContext:
+        """The decode context of this builder's layers: their worker's, once it has handed it to them
+        (after the builders are made), read at every step."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        for name in self.layer_names:
+            impl = getattr(layers.get(name), "impl", None)
+            if isinstance(impl, ScheduledDecode):
+                return impl.context
+        return DecodeContext()
 
 
 class SparrowTritonAttentionImpl(ScheduledDecode, TritonAttentionImpl):

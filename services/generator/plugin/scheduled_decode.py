@@ -18,8 +18,11 @@ is read from the model runner's batch (`row_ids`, set with the plan), in row ord
 
 Dense rows: rows whose request id carries `DENSE_PREFIX` (evaluation samples) attend to every page
 in every layer, whatever the schedule or the probe, beside sparse rows in the same batch: their
-budget is their whole page count. Their ids come from `dense_row_ids`, which the worker installs
-once (`SparrowWorkerExtension.sparrow_track_rows`); without it no row is told apart.
+budget is their whole page count. Their ids come from the context's `dense_row_ids`, which the
+worker installs once (`SparrowWorkerExtension.sparrow_track_rows`); without it no row is told apart.
+
+What the layers of a worker share (the batch's request ids, the step's host plan) is a
+`DecodeContext` the worker hands to each of them (`context`), never state of this class.
 
 Static decode (`static_decode_rows`), for a step a CUDA graph captures once and replays at later
 steps: a replay repeats the capture's kernels with the capture's sizes, scalars and addresses, and
@@ -43,11 +46,12 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
 import torch
 
 from kernels import DecodeBounds, Workspace, block_sparse_decode, decode_bounds, num_pages, sparse_decode_attention
+from services.generator.plugin.decode_context import DecodeContext
+from sparrow.budget import in_pages
 from sparrow.schedule import Schedule, per_bin
 
 # Request ids of sequences decoded under the probe plan start with this (the engine names them).
@@ -109,11 +113,11 @@ class StaticBudgets:
             self.probe.fill_(self.max_pages)
         else:
             lens = torch.arange(self.max_seq_len + 1)
-            pages = schedule.budget_pages(lens)
-            self.pages.copy_(pages.to(self.device))
+            table = schedule.budget_pages(lens)
+            self.pages.copy_(table.to(self.device))
             if probe_pages is not None and len(probe_pages) == schedule.num_bins:
-                pages = per_bin(probe_pages, schedule.bin_width, lens)
-            self.probe.copy_(pages.to(self.device))
+                table = per_bin(probe_pages, schedule.bin_width, lens)
+            self.probe.copy_(table.to(self.device))
         self.filled = key
 
     def budgets(
@@ -209,7 +213,8 @@ class ScheduledDecode:
     """Mixin of an attention impl: the runtime-settable schedule and block-sparse decode under it.
 
     The impl sets `scale`, `layer_index` (from the layer name, on the first forward), `centroids`
-    (current page centroids of its cache), and may set `backend` and `workspace`.
+    (current page centroids of its cache), and may set `backend` and `workspace`. `context` is what
+    it shares with the other layers of its worker (its own until the worker gives it the shared one).
     """
 
     scale: float
@@ -224,14 +229,19 @@ class ScheduledDecode:
     _probe_table: tuple[tuple[int, ...], torch.Tensor] | None = None
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
     _dense_rows: tuple[tuple, torch.Tensor] | None = None
-    # The last step's host plan, shared by every layer: (seq_lens_cpu, schedule, probe key, bounds,
-    # budgets, budgets by device).
-    _last_plan: ClassVar[tuple | None] = None
     static: StaticBudgets | None = None  # this layer's tables, from its first static decode on
-    # The request ids of the running batch's rows while a probe plan is set (the same for every layer).
-    probe_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
-    # The request ids of the running batch's rows, always (the worker installs it): rows of dense requests.
-    dense_row_ids: ClassVar[Callable[[], Sequence[str | None]] | None] = None
+    _context: DecodeContext | None = None
+
+    @property
+    def context(self) -> DecodeContext:
+        """What this layer shares with the other layers of its worker (see `decode_context`)."""
+        if self._context is None:
+            self._context = DecodeContext()
+        return self._context
+
+    @context.setter
+    def context(self, context: DecodeContext) -> None:
+        self._context = context
 
     def set_schedule(self, schedule: Schedule | None) -> None:
         """Decode under `schedule` from the next forward on (None: dense).
@@ -254,7 +264,7 @@ class ScheduledDecode:
         self.probe_pages = None if pages is None else tuple(int(p) for p in pages)
         self.row_ids = row_ids
         self._probe_rows = None
-        ScheduledDecode.probe_row_ids = row_ids
+        self.context.probe_row_ids = row_ids
         if self.static is not None:
             self.static.fill(self.schedule, self._dense_under(self.schedule), self.probe_pages)
 
@@ -271,8 +281,7 @@ class ScheduledDecode:
         s = self.schedule
         cached = self._budget_table
         if cached is None or cached[0] is not s or cached[1].device != seq_lens.device:
-            pages = [b // s.page_size for b in s.budgets]
-            cached = (s, to_device(pages, torch.int64, seq_lens.device))
+            cached = (s, to_device([in_pages(b, s.page_size) for b in s.budgets], torch.int64, seq_lens.device))
             self._budget_table = cached
         bins = torch.div(seq_lens.long(), s.bin_width, rounding_mode="floor").clamp(max=s.num_bins - 1)
         budgets = cached[1][bins]
@@ -296,7 +305,7 @@ class ScheduledDecode:
 
     def _dense_mask(self, count: int | None, rows: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """True for the rows (as in `_probe_mask`) of dense requests; None when there are none."""
-        return self._row_mask("_dense_rows", DENSE_PREFIX, ScheduledDecode.dense_row_ids, count, rows, device)
+        return self._row_mask("_dense_rows", DENSE_PREFIX, self.context.dense_row_ids, count, rows, device)
 
     def _row_mask(self, attr: str, prefix: str, source, count, rows, device) -> torch.Tensor | None:
         ids = source() if source is not None else ()
@@ -331,17 +340,17 @@ class ScheduledDecode:
         probing = s is not None and self.probe_pages is not None and len(self.probe_pages) == s.num_bins
         n = seq_lens_cpu.shape[0]
         ids = tuple(self.row_ids()[:n]) if probing and self.row_ids is not None else None
-        source = ScheduledDecode.dense_row_ids
+        source = self.context.dense_row_ids
         dense_ids = tuple(source()[:n]) if s is not None and source is not None else None
         probe = (self.probe_pages, ids, dense_ids)
-        last = ScheduledDecode._last_plan
+        last = self.context.last_plan
         if last is None or last[0] is not seq_lens_cpu or last[1] is not s or last[2] != probe:
             lens = seq_lens_cpu.tolist()
             if s is None:
                 bounds, budgets = DecodeBounds(max(lens, default=0), 0), None
             else:
                 bins = [s.bin_of(n) for n in lens]
-                budgets = [s.budgets[b] // s.page_size for b in bins]
+                budgets = [in_pages(s.budgets[b], s.page_size) for b in bins]
                 for r, rid in enumerate(ids or ()):
                     if rid is not None and rid.startswith(PROBE_PREFIX):
                         budgets[r] = self.probe_pages[bins[r]]
@@ -350,7 +359,7 @@ class ScheduledDecode:
                         budgets[r] = num_pages(lens[r])  # every page: the row attends to its whole context
                 bounds = decode_bounds(lens, budgets, s.sink_blocks, s.local_blocks)
             last = (seq_lens_cpu, s, probe, bounds, budgets, {})
-            ScheduledDecode._last_plan = last
+            self.context.last_plan = last
         bounds, budgets, on_device = last[3:]
         if budgets is None or device is None:
             return bounds, None
@@ -415,18 +424,6 @@ class ScheduledDecode:
         st.fill(s, self._dense_under(s), self.probe_pages)
         self.static = st
         return st
-
-    @staticmethod
-    def current_probe_row_ids() -> Sequence[str | None] | None:
-        """The running batch's request ids in row order while a probe plan is set, else None."""
-        source = ScheduledDecode.probe_row_ids
-        return None if source is None else source()
-
-    @staticmethod
-    def current_dense_row_ids() -> Sequence[str | None] | None:
-        """The running batch's request ids in row order once the worker tracks them (for dense rows), else None."""
-        source = ScheduledDecode.dense_row_ids
-        return None if source is None else source()
 
     def decode_rows(
         self,

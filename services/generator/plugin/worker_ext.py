@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from services.generator.plugin.decode_context import DecodeContext
 from services.generator.plugin.scheduled_decode import ScheduledDecode
 from sparrow.schedule import Schedule
 
@@ -20,9 +21,20 @@ class SparrowWorkerExtension:
     """Mixed into vLLM's worker: schedule and probe swaps and in-place weight reloads."""
 
     def _sparrow_impls(self) -> list[ScheduledDecode]:
-        # The CPU and the CUDA impls alike.
+        # The CPU and the CUDA impls alike, each holding this worker's decode context.
         model = self.model_runner.get_model()
-        return [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), ScheduledDecode)]
+        impls = [m.impl for m in model.modules() if isinstance(getattr(m, "impl", None), ScheduledDecode)]
+        context = self._sparrow_context()
+        for impl in impls:
+            impl.context = context
+        return impls
+
+    def _sparrow_context(self) -> DecodeContext:
+        """What this worker's attention layers share (one per worker, made on first use)."""
+        context = getattr(self, "_sparrow_decode_context", None)
+        if context is None:
+            context = self._sparrow_decode_context = DecodeContext()
+        return context
 
     def sparrow_set_schedule(self, schedule_json: str | None) -> int:
         """Decode under this schedule (JSON of `Schedule.to_json`; None: dense) from the next step on.
@@ -63,9 +75,10 @@ class SparrowWorkerExtension:
         runner = self.model_runner
         if not hasattr(getattr(runner, "input_batch", None), "req_ids"):
             return 0
+        impls = self._sparrow_impls()
         # The batch's request ids in row order, as for probes (see sparrow_set_probe).
-        ScheduledDecode.dense_row_ids = lambda: runner.input_batch.req_ids
-        return len(self._sparrow_impls())
+        self._sparrow_context().dense_row_ids = lambda: runner.input_batch.req_ids
+        return len(impls)
 
     def sparrow_attention_layers(self) -> int:
         """How many layers run the project's attention here."""

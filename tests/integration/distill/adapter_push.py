@@ -1,5 +1,5 @@
 """What the adapter-push tests share: the trainer's real WeightService on loopback, and a generator-side
-VersionSync (weight_fetch) that fetches, verifies and loads adapters into an engine."""
+VersionSync (version_sync) that fetches, verifies and loads adapters into an engine."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from services.common.aio_server import AioServer
 from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import FinishedSample
 from services.generator.metrics import GeneratorMetrics
-from services.generator.weight_fetch import ADAPTER, VersionSync, WeightFetcher
+from services.generator.version_sync import VersionSync
+from services.generator.weight_fetch import ADAPTER, WeightFetcher
 from services.trainer.weight_servicer import WeightServicer
 from services.trainer.weights import WeightStore
 from trainer.batch import Rollout

@@ -10,7 +10,8 @@ import pytest
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
 from services.common.grpc_server import GrpcSecurity, bind, build_server
 from services.generator.trajectory_stream import Backoff
-from services.generator.weight_fetch import VersionWatcher, WeightFetcher, WeightFetchError, WeightsUnavailable
+from services.generator.version_sync import VersionWatcher
+from services.generator.weight_fetch import WeightFetcher, WeightFetchError, WeightsUnavailable
 from tests.fixtures.standin_rollout_server import StandinRolloutServer
 from tests.servers import free_port
 

@@ -526,7 +526,8 @@ def test_an_adapter_for_another_model_is_refused(engine, tmp_path):
 def _streaming_sync(engine, trainer, root: Path):
     """VersionSync as the generator wires it without a relay: streamed loads into this engine."""
     from services.common.grpc_server import GrpcSecurity
-    from services.generator.weight_fetch import VersionSync, WeightFetcher
+    from services.generator.version_sync import VersionSync
+    from services.generator.weight_fetch import WeightFetcher
 
     def from_disk(kind, folder, version):
         raise AssertionError(f"{kind} v{version} went through {folder}")

@@ -15,14 +15,3 @@ def engine():
     e = ReferenceEngine(TINY, kernel_backend="torch", max_model_len=256, max_lora_rank=8)
     yield e
     e.close()
-
-
-@pytest.fixture(autouse=True)
-def _no_probe_source_left():
-    """The probe plan's and dense rows' id sources are kept per process (a worker's layers share them):
-    none between tests."""
-    yield
-    from services.generator.plugin.scheduled_decode import ScheduledDecode
-
-    ScheduledDecode.probe_row_ids = None
-    ScheduledDecode.dense_row_ids = None

@@ -131,7 +131,8 @@ def test_host_bounds_follow_the_schedule_and_the_probe_rows():
         return int(torch.minimum(num_pages(lens), impl.budget_pages(lens)).max())
 
     assert impl.host_bounds(lens) == DecodeBounds(150, 8) and on_device() == 8
-    twin = ScheduledDecode()  # another layer of the same step: the same plan, its budgets copied once
+    twin = ScheduledDecode()  # another layer of the same worker and step: the same plan, its budgets copied once
+    twin.context = impl.context
     twin.set_schedule(impl.schedule)
     assert twin.host_plan(lens, lens.device)[1] is impl.host_plan(lens, lens.device)[1]
     ids = ["seq:a-1", f"{PROBE_PREFIX}b-2", "seq:c-3", f"{PROBE_PREFIX}d-4"]
@@ -162,7 +163,7 @@ def test_dense_rows_take_every_page_beside_scheduled_and_probe_rows():
     impl.set_schedule(Schedule(budgets=(64, 128), bin_width=100))
     lens = torch.tensor([50, 150, 150, 300, 150])
     ids = ["seq:a-1", f"{DENSE_PREFIX}b-2", f"{PROBE_PREFIX}c-3", f"{DENSE_PREFIX}d-4", "seq:e-5"]
-    ScheduledDecode.dense_row_ids = lambda: ids
+    impl.context.dense_row_ids = lambda: ids
     impl.set_probe([3, 5], lambda: ids)
     want = [4, 10, 5, 19, 8]  # b: 150 tokens in 10 pages, d: 300 in 19; the probe and the schedule's rows unchanged
     assert impl.budget_pages(lens).tolist() == want
@@ -174,5 +175,39 @@ def test_dense_rows_take_every_page_beside_scheduled_and_probe_rows():
     assert impl.host_plan(lens, lens.device)[1].tolist() == [4, 10, 5, 8, 8]
     impl.set_probe(None)
     assert impl.budget_pages(lens).tolist() == [4, 10, 8, 8, 8]
-    ScheduledDecode.dense_row_ids = None  # not tracked: every row follows the schedule
+    impl.context.dense_row_ids = None  # not tracked: every row follows the schedule
     assert impl.budget_pages(lens).tolist() == [4, 8, 8, 8, 8]
+
+
+def test_layers_share_rows_and_plans_only_through_their_workers_context():
+    from types import SimpleNamespace
+
+    from services.generator.plugin.scheduled_decode import PROBE_PREFIX, ScheduledDecode
+    from services.generator.plugin.worker_ext import SparrowWorkerExtension
+    from sparrow.schedule import Schedule
+
+    alone, other = ScheduledDecode(), ScheduledDecode()
+    alone.set_probe([3, 5], lambda: [f"{PROBE_PREFIX}a"])
+    assert alone.context.current_probe_row_ids() == [f"{PROBE_PREFIX}a"]
+    assert other.context is not alone.context and other.context.current_probe_row_ids() is None
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.impl = ScheduledDecode()
+
+    model = torch.nn.Sequential(Layer(), Layer())
+    worker = SparrowWorkerExtension()
+    worker.model_runner = SimpleNamespace(get_model=lambda: model, input_batch=SimpleNamespace(req_ids=["dense:x"]))
+    assert worker.sparrow_track_rows() == 2
+    first, second = (layer.impl for layer in model)
+    assert first.context is second.context and first.context.current_dense_row_ids() == ["dense:x"]
+    assert alone.context.current_dense_row_ids() is None  # another worker's layer (or none) sees nothing of it
+    first.set_schedule(Schedule(budgets=(64, 128), bin_width=100))
+    second.set_schedule(first.schedule)
+    lens = torch.tensor([50, 150])
+    assert first.host_plan(lens, lens.device)[1] is second.host_plan(lens, lens.device)[1]
+    assert alone.context.last_plan is None
+    another = SparrowWorkerExtension()
+    another.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Sequential(Layer()))
+    assert another.sparrow_attention_layers() == 1 and another._sparrow_context() is not worker._sparrow_context()

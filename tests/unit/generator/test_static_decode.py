@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import Workspace, new_centroids, update_centroids_ref
+from services.generator.plugin.decode_context import DecodeContext
 from services.generator.plugin.page_centroids import PageCentroids
 from services.generator.plugin.scheduled_decode import ProbeRows, ScheduledDecode, StaticBudgets
 from sparrow.schedule import Schedule
@@ -164,7 +165,7 @@ class CoreStatic:
 
     def prepare(self) -> None:
         """The builder's part, before the step and outside any graph: the probe rows."""
-        ids = ScheduledDecode.current_probe_row_ids()
+        ids = self.decoder.context.current_probe_row_ids()
         if ids is not None:
             self.buffers.probe.write(ids)
 
@@ -297,36 +298,33 @@ def test_one_capture_serves_every_later_step(kind, layer, recorder):
     batch = PagedBatch(ROWS, MAX_SEQ_LEN)
     buffers = Buffers(batch)
     static = make_static(kind, buffers, layer)
-    try:
-        static.prefilled(batch.step([*PROMPTS, 0]))
-        static.decoder.set_schedule(SMALL)
+    static.prefilled(batch.step([*PROMPTS, 0]))
+    static.decoder.set_schedule(SMALL)
+    buffers.load_decode_step()
+    static.run(static.prepare())  # warm-up: the workspace and the tables are made, as vLLM warms up
+    graph = None
+    records = []
+    for i, (schedule, probe) in enumerate(CHANGES):
+        set_step(static, schedule, probe)
         buffers.load_decode_step()
-        static.run(static.prepare())  # warm-up: the workspace and the tables are made, as vLLM warms up
-        graph = None
-        records = []
-        for i, (schedule, probe) in enumerate(CHANGES):
-            set_step(static, schedule, probe)
-            buffers.load_decode_step()
-            prepared = static.prepare()
-            if DEVICE == "cuda":
-                graph = _replay(static, prepared, graph)
-            else:
-                record = StepRecord()
-                recorder.append(record)
-                with record, HostReads() as seen:
-                    static.run(prepared)
-                recorder.pop()
-                assert seen.reads == []
-                records.append(record.events)
-                assert records[i] == records[0], f"step {i} ({schedule and schedule.name}, probe={probe}) differs"
-            want = expected(buffers, layer, schedule, probe)
-            torch.testing.assert_close(buffers.out[: ROWS - 1].double().cpu(), want, **TOL)
-            assert bool(torch.isfinite(buffers.out[ROWS - 1]).all())  # the padding row attends to nothing
-            torch.testing.assert_close(static.centroids, real_rows_centroids(batch), atol=1e-6, rtol=1e-6)
-        if records:
-            assert any(e[0] == "launch" and e[1] == "_select_blocks_kernel" for e in records[0])
-    finally:
-        ScheduledDecode.probe_row_ids = None
+        prepared = static.prepare()
+        if DEVICE == "cuda":
+            graph = _replay(static, prepared, graph)
+        else:
+            record = StepRecord()
+            recorder.append(record)
+            with record, HostReads() as seen:
+                static.run(prepared)
+            recorder.pop()
+            assert seen.reads == []
+            records.append(record.events)
+            assert records[i] == records[0], f"step {i} ({schedule and schedule.name}, probe={probe}) differs"
+        want = expected(buffers, layer, schedule, probe)
+        torch.testing.assert_close(buffers.out[: ROWS - 1].double().cpu(), want, **TOL)
+        assert bool(torch.isfinite(buffers.out[ROWS - 1]).all())  # the padding row attends to nothing
+        torch.testing.assert_close(static.centroids, real_rows_centroids(batch), atol=1e-6, rtol=1e-6)
+    if records:
+        assert any(e[0] == "launch" and e[1] == "_select_blocks_kernel" for e in records[0])
 
 
 def _replay(static, prepared, graph):
@@ -447,14 +445,12 @@ def test_only_steps_of_pure_decodes_are_marked_static():
     driver = ImplDriver(batch, SPARSE_LAYER, None)
     rows = ProbeRows(8, torch.device(DEVICE))
     mixed = driver.metadata(batch.step([*PROMPTS, 40]))  # a step with a prefill chunk
-    assert with_static_decode(mixed, 400, rows).static_max_seq_len is None
+    context = DecodeContext()
+    assert with_static_decode(mixed, 400, rows, context).static_max_seq_len is None
     decodes = driver.metadata(batch.step([1] * ROWS))
-    try:
-        ScheduledDecode.probe_row_ids = lambda: ["probe:a", None, "probe:b"]
-        ScheduledDecode.dense_row_ids = lambda: ["probe:a", "dense:c", "probe:b"]
-        marked = with_static_decode(decodes, 400, rows)
-    finally:
-        ScheduledDecode.probe_row_ids = None
+    context.probe_row_ids = lambda: ["probe:a", None, "probe:b"]
+    context.dense_row_ids = lambda: ["probe:a", "dense:c", "probe:b"]
+    marked = with_static_decode(decodes, 400, rows, context)
     assert marked.static_max_seq_len == 400 and marked.probe_rows is rows.mask
     assert rows.mask.tolist()[:4] == [True, False, True, False]
     assert marked.dense_rows is rows.dense and rows.dense.tolist()[:4] == [False, True, False, False]
