@@ -223,3 +223,17 @@ def test_kernels_import_nothing_of_ours_and_the_core_no_service():
             assert roots <= {"kernels"}, f"{name} imports {sorted(targets)}"
         if name.split(".")[0] == "sparrow":
             assert roots & ours <= {"sparrow", "kernels"}, f"{name} imports {sorted(targets)}"
+
+
+def test_the_core_names_no_service_even_in_a_string():
+    """An import string (`"services.sandbox.reward:code_score"`) is a service import all the same: services
+    register what the core should know (services/__init__.py), the core never names them."""
+    found = []
+    for rel, tree in FILES:
+        if not rel.startswith("sparrow/"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "\n" not in node.value:
+                if node.value.startswith("services.") or node.value.startswith("services/"):
+                    found.append(f"{rel}:{node.lineno}: {node.value!r}")
+    assert not found, "the core names a service:\n" + "\n".join(found)
