@@ -112,6 +112,7 @@ class _Guard(grpc.aio.ServerInterceptor):
         self.max_calls = max_calls
         self.stats = stats
         self._last_warning: dict[str, float] = {}
+        self.calls: set[asyncio.Task] = set()  # the tasks running open calls' handlers (health aside)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -144,9 +145,12 @@ class _Guard(grpc.aio.ServerInterceptor):
                 f"the server holds its maximum of {self.max_calls} open calls; retry later",
             )
         self.stats.enter()
+        task = asyncio.current_task()
+        self.calls.add(task)
         try:
             yield
         finally:
+            self.calls.discard(task)
             self.stats.leave()
 
     async def _check(self, request, method: str, context):
@@ -253,9 +257,10 @@ class AioServer:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        guard = _Guard(security.token, max_calls, self.stats)
-        self.server: grpc.aio.Server = self.call(_create(options, guard))
+        self._guard = _Guard(security.token, max_calls, self.stats)
+        self.server: grpc.aio.Server = self.call(_create(options, self._guard))
         self._stopped = False
+        self.ended_at_stop = 0  # calls still open after the stop's grace, ended by the stop
 
     def call(self, coro, timeout: float | None = None):
         """Run `coro` on the server's loop and wait for its result (from any other thread)."""
@@ -293,11 +298,25 @@ class AioServer:
             if self.health is not None:
                 await self.health.enter_graceful_shutdown()
             await self.server.stop(grace_s)
-            # Whatever still runs on the loop (calls' tasks the stop cancelled) ends before the loop does.
-            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in rest:
+            # Calls still open after the grace (a long-lived stream whose peer is going away too, as when every
+            # service of a run gets SIGTERM at once) are ended inside their own handlers, which grpc answers as
+            # CANCELLED without a word. Cancelling grpc's own scheduling tasks instead made it log a
+            # CancelledError traceback per call on what was a clean stop.
+            calls = [t for t in self._guard.calls if not t.done()]
+            for task in calls:
                 task.cancel()
-            await asyncio.wait(rest, timeout=5.0) if rest else None
+            if calls:
+                await asyncio.wait(calls, timeout=5.0)
+                log.info("ended %d call(s) still open after the %.1f s grace", len(calls), grace_s)
+            self.ended_at_stop = len(calls)
+            # Whatever else still runs on the loop ends before the loop does: given a moment, then cancelled.
+            rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            if rest:
+                _, pending = await asyncio.wait(rest, timeout=0.5)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    await asyncio.wait(pending, timeout=5.0)
 
         try:
             self.call(stop(), timeout=grace_s + 30.0)
