@@ -25,13 +25,13 @@ generators), `rollout_tokens_per_s` is tokens per second of engine step time sum
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, scrape_generator
+from services.trainer.store import replace_text
 
 HISTORY_FILE = "metrics.jsonl"
 READ_FILE = "history.json"  # how far the launcher has read the trainer's records (a resume reads on from there)
@@ -89,9 +89,7 @@ class History:
             self.started -= max(last)
 
     def _record_read(self) -> None:
-        tmp = self._read_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"steps": self._offset, "evals": self._evals_offset}) + "\n")
-        os.replace(tmp, self._read_file)
+        replace_text(self._read_file, json.dumps({"steps": self._offset, "evals": self._evals_offset}) + "\n")
 
     def poll(self) -> list[dict]:
         """Rows for the steps the trainer finished since the last call (evaluation rounds that ended since

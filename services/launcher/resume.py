@@ -34,6 +34,7 @@ from typing import IO
 from services.launcher.cluster import PROCESSES_FILE
 from services.launcher.config import UpConfig
 from services.launcher.plan import SetupError
+from services.launcher.tracking.names import flat_config
 
 CONFIG_FILE = "config.toml"
 LOCK_FILE = "up.lock"
@@ -69,7 +70,7 @@ def saved_config(run_dir: Path, overrides: dict) -> UpConfig:
         after = load_config(UpConfig, str(path), overrides | {"run_dir": str(run_dir)})
     except ConfigError as exc:
         raise ResumeError(f"{path}: {exc}") from None
-    old, new = _flat(before.dump_public()), _flat(after.dump_public())
+    old, new = flat_config(before.dump_public()), flat_config(after.dump_public())
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     refused = [k for k in changed if not any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUMABLE)]
     if refused:
@@ -139,13 +140,3 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out

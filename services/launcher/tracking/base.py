@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from services.launcher.tracking.names import tracked_eval_metrics, tracked_metrics
+from services.trainer.store import replace_text
 
 log = logging.getLogger("sparrow.up.tracking")
 
@@ -143,10 +143,7 @@ class Trackers:
             if step <= self.logged.get(tracker.name, 0):
                 return
             self.logged[tracker.name] = step
-            data = self._read_record() | {"logged": dict(self.logged)}
-            tmp = self._record.with_suffix(".tmp")
-            tmp.write_text(json.dumps(data) + "\n")
-            os.replace(tmp, self._record)
+            replace_text(self._record, json.dumps(self._read_record() | {"logged": dict(self.logged)}) + "\n")
 
     def catch_up(self, rows: list[dict]) -> None:
         """A resumed run's history so far: each tracker gets the rows after the last step it wrote (a launcher

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 from services.launcher.tracking.base import Tracker, Trackers
 from services.launcher.tracking.config import TrackingConfig
+from services.trainer.store import replace_text
 
 KEY_FILE = "tracking.json"  # the run's tracker key: a resumed run (sparrow up --resume) logs on into the same runs
 
@@ -61,9 +61,7 @@ def run_key(run_dir: Path) -> str:
         pass
     key = uuid.uuid4().hex
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key}) + "\n")
-    os.replace(tmp, path)
+    replace_text(path, json.dumps({"key": key}) + "\n")
     return key
 
 
