@@ -24,7 +24,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sub.required = True
 
     b = sub.add_parser("build", help="train a Qwen3-architecture model from scratch on the chain task")
-    b.add_argument("--size", required=True, choices=["tiny", "small"], help="tiny (fast tests) or small (policy)")
+    b.add_argument(
+        "--size", required=True, choices=["tiny", "small", "long"], help="tiny (fast tests), small (policy), long (9K tokens)"
+    )
     b.add_argument("--out", required=True, help="output folder (HF format + build.json)")
     b.add_argument("--seed", type=int, default=0, help="seed of weights, data and evaluation (default 0)")
     b.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the size's budget)")
@@ -44,6 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=_difficulty,
         action="append",
         help="PAIRS:HOPS of the chain task, repeatable (the project's own models only)",
+    )
+    e.add_argument(
+        "--filler",
+        type=int,
+        default=None,
+        help="countdown tokens per hop of the chain task (default: the one the model was built on, per build.json)",
     )
     e.add_argument("--data", metavar="FILE", help="a JSONL/Parquet dataset (verl's or plain rows): avg@k and pass@k")
     e.add_argument("--k", type=int, default=4, help="samples per prompt with --data (default 4)")
@@ -118,7 +126,8 @@ def _eval(args: argparse.Namespace) -> int:
         raise CliError(f"--samples must be >= 1, got {args.samples}")
     torch.set_num_threads(args.threads)
     try:
-        tasks = [ChainTask(p, h, min_hops=h) for p, h in args.difficulty]
+        filler = built_filler(args.model) if args.filler is None else args.filler
+        tasks = [ChainTask(p, h, min_hops=h, filler=filler) for p, h in args.difficulty]
         model = load_model(args.model, device=args.device)
         _require_own_vocabulary(args.model)
     except (TaskError, ModelLoadError) as exc:
@@ -131,6 +140,17 @@ def _eval(args: argparse.Namespace) -> int:
 
         emit_json({"model": args.model, "seed": args.seed, "results": rows})
     return 0
+
+
+def built_filler(model_dir: str) -> int:
+    """The chain task's filler the own model in `model_dir` was trained on (build.json), 0 when it says none."""
+    import json
+
+    try:
+        info = json.loads((Path(model_dir) / "build.json").read_text())
+        return int(info["config"]["curriculum"].get("filler", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0
 
 
 def _require_own_vocabulary(model_dir: str) -> None:

@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "up", help="run a local cluster for an RL job, with a live view, a run folder and a report"
     )
     p.add_argument("--config", metavar="FILE", help="up TOML file (see services/launcher/up.toml)")
-    p.add_argument("--model-size", choices=["tiny", "small"], help="the own model to train (model_size)")
+    p.add_argument("--model-size", choices=["tiny", "small", "long"], help="the own model to train (model_size)")
     p.add_argument("--model", metavar="DIR", help="HF-format policy folder to start from (model_dir)")
     p.add_argument("--steps", type=int, help="training steps (steps)")
     p.add_argument("--generators", type=int, help="generator processes (generators)")

@@ -40,6 +40,8 @@ class CurriculumConfig:
     batch_tokens: int = 4096
     max_batch: int = 64
     """short contexts: more, smaller steps (lookup forms after enough updates, not enough tokens)"""
+    filler: int = 0
+    """the long task's countdown per hop (sparrow.tasks.chain), the same at every stage"""
 
 
 def stage_tasks(cfg: CurriculumConfig) -> list[ChainTask]:
@@ -48,7 +50,7 @@ def stage_tasks(cfg: CurriculumConfig) -> list[ChainTask]:
     while not tasks or (tasks[-1].pairs, tasks[-1].max_hops) != (cfg.final_pairs, cfg.final_hops):
         pairs = min(cfg.final_pairs, math.ceil(cfg.start_pairs * cfg.pairs_growth**s - 1e-9))
         hops = min(cfg.final_hops, math.ceil(cfg.start_hops * cfg.hops_growth**s - 1e-9))
-        tasks.append(ChainTask(pairs, hops, name_pool=cfg.name_pool))
+        tasks.append(ChainTask(pairs, hops, name_pool=cfg.name_pool, filler=cfg.filler))
         s += 1
     return tasks
 
@@ -83,7 +85,7 @@ class Curriculum:
             stage = self.rng.randrange(1, stage + 1) if stage > 1 else 0
         task = self.tasks[stage]
         size = min(self.cfg.max_batch, max(1, self.cfg.batch_tokens // task.sequence_tokens()))
-        return collate([self.stream.next(task) for _ in range(size)], stage)
+        return collate([self.stream.next(task) for _ in range(size)], stage, task)
 
     def update(self, step: int, batch: Batch, lookup_accuracy: float) -> bool:
         """Record a training step's lookup accuracy; returns True when the curriculum advanced."""
@@ -103,7 +105,7 @@ class Curriculum:
         return False
 
 
-def collate(examples: list, stage: int) -> Batch:
+def collate(examples: list, stage: int, task: ChainTask | None = None) -> Batch:
     """Right-pad token ids; mark solution tokens for the loss and looked-up names for the accuracy."""
     pad = TOKEN_TO_ID[PAD]
     rows, solution_starts, hops = [], [], []
@@ -119,7 +121,7 @@ def collate(examples: list, stage: int) -> Batch:
     for i, row in enumerate(rows):
         ids[i, : len(row)] = torch.tensor(row)
         loss_mask[i, solution_starts[i] : len(row)] = True
-        # hop j is `k A B ;` at solution offset 4j; B (offset 2) is the looked-up name
-        for j in range(hops[i]):
-            lookup_mask[i, solution_starts[i] + 4 * j + 2] = True
+        # hop j starts at solution offset hop_tokens * j; its B (offset 2) is the looked-up name
+        for off in (task or ChainTask(2, 1)).lookup_offsets(hops[i]):
+            lookup_mask[i, solution_starts[i] + off] = True
     return Batch(ids, loss_mask, lookup_mask, stage)

@@ -14,6 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sparrow.tasks.chain import LONG_FILLER, LONG_HOPS
 from trainer.curriculum import Curriculum, CurriculumConfig
 
 SIZES: dict[str, dict] = {
@@ -25,7 +26,12 @@ SIZES: dict[str, dict] = {
     # sparse decode (layers >= 2) matters; a longer curriculum than tiny's.
     "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16),
+    # the long-context policy: small's width (it forms lookup fastest), 8 layers so that sparse decode
+    # (layers >= 2) covers most of the attention, positions and a RoPE base for the long task's 9K tokens
+    "long": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=16384, rope_theta=1e6),
 }  # fmt: skip
+
 
 
 @dataclass
@@ -44,6 +50,9 @@ class BuildConfig:
     decay_fraction: float = 0.15
     """final share of the steps over which the learning rate decays to 10% (cosine)"""
     bf16: bool = True
+    lookup_weight: float = 0.0
+    """extra loss on the looked-up names, mean over them: the long task's countdown is most of its tokens,
+    and a plain mean leaves the few decisions too little gradient for lookup to form"""
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     eval_difficulties: tuple[tuple[int, int], ...] | None = None
     """(pairs, hops) to measure after training; None: the last stage reached, at 1/4, 1/2 and all of its hops"""
@@ -55,12 +64,20 @@ class BuildConfig:
         if size == "tiny":
             overrides.setdefault("curriculum", CurriculumConfig(final_pairs=16, final_hops=16, batch_tokens=2048))
             overrides.setdefault("eval_samples", 16)
+        if size == "long":
+            overrides.setdefault(
+                "curriculum",
+                CurriculumConfig(final_hops=LONG_HOPS, filler=LONG_FILLER, batch_tokens=4096),
+            )
+            overrides.setdefault("eval_difficulties", ((64, 64), (64, 128), (64, LONG_HOPS)))
+            overrides.setdefault("eval_samples", 32)
+            overrides.setdefault("lookup_weight", 1.0)
         overrides.setdefault("curriculum", CurriculumConfig(batch_tokens=2048))
         return cls(size=size, **overrides)
 
 
 # the step budget of each size: tiny in a few minutes on one CPU thread, small in about half an hour
-DEFAULT_STEPS = {"tiny": 400, "small": 2200}
+DEFAULT_STEPS = {"tiny": 400, "small": 2200, "long": 2400}
 
 
 def default_steps(size: str) -> int:
@@ -77,17 +94,16 @@ def qwen3_config(size: str):
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
+    shape = {"max_position_embeddings": 4096, "rope_theta": 10000.0, **SIZES[size]}
     return Qwen3Config(
         vocab_size=vocab_size(),
-        max_position_embeddings=4096,
-        rope_theta=10000.0,
         attention_bias=True,  # helped lookup form (DESIGN.md section 3)
         tie_word_embeddings=True,
         rms_norm_eps=1e-6,
         bos_token_id=TOKEN_TO_ID[BOS],
         eos_token_id=TOKEN_TO_ID[EOS],
         pad_token_id=TOKEN_TO_ID[PAD],
-        **SIZES[size],
+        **shape,
     )
 
 
@@ -145,12 +161,14 @@ def train(cfg: BuildConfig, log=print):
         targets = ids[:, 1:]
         mask = batch.loss_mask[:, 1:].to(device)
         loss = torch.nn.functional.cross_entropy(logits[mask], targets[mask])
+        lk = batch.lookup_mask[:, 1:].to(device)
+        if cfg.lookup_weight:
+            loss = loss + cfg.lookup_weight * torch.nn.functional.cross_entropy(logits[lk], targets[lk])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         with torch.no_grad():
-            lk = batch.lookup_mask[:, 1:].to(device)
             acc = (logits[lk].argmax(-1) == targets[lk]).float().mean().item()
         if cur.update(step, batch, acc):
             log(f"step {step}: stage {cur.stage} -> {cur.tasks[cur.stage].name} ({time.monotonic() - t0:.0f}s)")
@@ -193,7 +211,7 @@ def build(cfg: BuildConfig, out_dir: str | Path, command: list[str] | None = Non
         temperature=1.0,
         top_p=1.0,
         top_k=0,
-        max_new_tokens=2048,
+        max_new_tokens=model.config.max_position_embeddings // 2,
     )
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(out)
@@ -201,7 +219,7 @@ def build(cfg: BuildConfig, out_dir: str | Path, command: list[str] | None = Non
     if difficulties is None:
         pairs, hops = summary["final_stage_difficulty"]
         difficulties = tuple((pairs, h) for h in sorted({max(1, hops // 4), max(1, hops // 2), hops}))
-    tasks = [ChainTask(p, h, min_hops=h) for p, h in difficulties]
+    tasks = [ChainTask(p, h, min_hops=h, filler=cfg.curriculum.filler) for p, h in difficulties]
     t_eval = time.monotonic()
     with torch.no_grad():
         results = evaluate(model, tasks, samples=cfg.eval_samples, seed=cfg.seed, log=log)

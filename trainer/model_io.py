@@ -61,6 +61,18 @@ def model_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return _meta_shapes(Path(path))[1]
 
 
+def model_positions(path: str | Path) -> int | None:
+    """The positions the model in folder `path` was built for (config.json's max_position_embeddings), or None;
+    ModelLoadError when config.json is missing or does not read."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(Path(path))
+    except Exception as exc:  # missing file, JSON errors, unknown model types: many types
+        raise ModelLoadError(f"{path}/config.json: cannot read the config: {_one_line(exc)}") from None
+    return getattr(config, "max_position_embeddings", None)
+
+
 def _meta_shapes(folder: Path):
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -60,8 +60,12 @@ class UpConfig(SparrowConfig):
     run_dir: str = Field(
         "", description="Folder of the run (configs, logs, history, checkpoints, report); empty: runs/up-<time>."
     )
-    model_size: Literal["tiny", "small"] = Field(
-        "small", description="The project's own model to train (models/<size>, built first when missing)."
+    model_size: Literal["tiny", "small", "long"] = Field(
+        "small",
+        description=(
+            "The project's own model to train (models/<size>, built first when missing); long also sets the "
+            "long task (trainer.task.filler) and the response length it needs."
+        ),
     )
     model_dir: str = Field("", description="HF-format policy folder to start from instead of model_size's.")
     steps: int = Field(20, ge=1, description="Training steps of the run.")

@@ -26,6 +26,7 @@ from services.sandbox.config import SandboxConfig
 from services.trainer.config import TrainerServiceConfig
 from sparrow.config import ConfigError, SparrowConfig, rename_keys
 from sparrow.schedule import Schedule
+from sparrow.tasks.chain import LONG_FILLER
 
 # Fields the launcher sets; a user table naming one gets this hint.
 WIRED: dict[str, dict[str, str]] = {
@@ -92,10 +93,23 @@ class ChildConfigs:
 
 
 def prompt_tokens(trainer: TrainerServiceConfig) -> int:
-    """The longest prompt: a dataset's max_prompt_tokens, or the chain task's 3 tokens per pair plus the query's 5."""
+    """The longest prompt: a dataset's max_prompt_tokens, or the chain task's (BOS, 3 tokens per pair, the query)."""
     if trainer.data.train_files or trainer.data.eval_files:
         return trainer.data.max_prompt_tokens
-    return 3 * trainer.task.pairs + 5
+    return trainer.task.chain().prompt_tokens()
+
+
+def _task_defaults(up: UpConfig) -> dict:
+    """The task of the own model's run: the long task for `long` (whose lookups read evidence 2K+ tokens back;
+    96-128 hops are 3.5K-4.5K tokens of KV), otherwise a chain whose KV reaches ~500 tokens, long enough for the
+    schedule to matter; `small` solves about all of it with dense rollouts and about half under the calibrated
+    schedule (docs/results.md)."""
+    if up.model_size == "long" and not up.model_dir:
+        return {
+            "task": {"pairs": 64, "min_hops": 96, "max_hops": 128, "filler": LONG_FILLER},
+            "sampling": {"max_new_tokens": 128 * (4 + LONG_FILLER) + 8},
+        }
+    return {"task": {"pairs": 64, "min_hops": 16, "max_hops": 64}, "sampling": {"max_new_tokens": 300}}
 
 
 def resolve(
@@ -112,8 +126,7 @@ def resolve(
             "metrics": {"host": HOST, "bin_width": schedule.bin_width, "num_bins": schedule.num_bins},
             # Long enough for the schedule to matter (KV up to ~500 tokens); `small` solves about all
             # of it with dense rollouts and about half under the calibrated schedule (docs/results.md).
-            "task": {"pairs": 64, "min_hops": 16, "max_hops": 64},
-            "sampling": {"max_new_tokens": 300},
+            **_task_defaults(up),
             "checkpoint": {"keep": 2},
             # Several processes checkpoint on SIGTERM before this run's stop kills the trainer's process group.
             "distributed": {"stop_grace_s": max(1.0, up.timeouts.stop_grace_s - 5)},

@@ -49,8 +49,19 @@ class TaskConfig(ConfigSection):
     min_hops: int = Field(1, ge=1, description="Fewest hops of a query.")
     max_hops: int = Field(16, ge=1, description="Most hops of a query.")
     name_pool: int | None = Field(None, description="Names drawn from (None: the task's default).")
+    filler: int = Field(
+        0,
+        ge=0,
+        description="Countdown tokens after each hop (the long task: 30 for models/long; 0: the plain chain task).",
+    )
     seed: int = Field(0, ge=0, description="Seed of the chain rows generated.")
     count: int = Field(8192, ge=1, description="Chain rows generated as the training set (drawn epoch after epoch).")
+
+    def chain(self):
+        """The ChainTask these settings describe (TaskError when they describe none)."""
+        from sparrow.tasks import ChainTask
+
+        return ChainTask(self.pairs, self.max_hops, self.min_hops, self.name_pool, self.filler)
 
 
 class DataConfig(ConfigSection):
@@ -464,12 +475,19 @@ class TrainerServiceConfig(SparrowConfig):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerServiceConfig:
-        from sparrow.tasks import ChainTask, TaskError
+        from sparrow.tasks import TaskError
 
         try:
-            ChainTask(self.task.pairs, self.task.max_hops, self.task.min_hops, self.task.name_pool)
+            chain = self.task.chain()
         except TaskError as exc:
             raise ValueError(f"task: {exc}") from None
+        answer = chain.sequence_tokens() - chain.prompt_tokens()
+        # the long task only: short chain configs truncate on purpose in tests and quick runs
+        if not self.data.train_files and chain.filler and answer > self.sampling.max_new_tokens:
+            raise ValueError(
+                f"task {chain.name}: its longest answer is {answer} tokens (EOS included), above "
+                f"sampling.max_new_tokens {self.sampling.max_new_tokens}"
+            )
         if self.memory.cpu_offload and self.device != "cuda":
             raise ValueError(
                 'memory.cpu_offload moves the shards of a GPU trainer to host memory; device = "cpu" has none to move'

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.trainer.config import TrainerServiceConfig
+from trainer.model_io import model_positions
 
 
 class PrecheckError(ValueError):
@@ -31,9 +32,24 @@ def check_start(config: TrainerServiceConfig, world: int) -> None:
         raise PrecheckError(str(exc)) from None
     try:
         shapes = model_shapes(config.model_dir)
+        positions = model_positions(config.model_dir)
     except ModelLoadError as exc:
         raise PrecheckError(str(exc)) from None
+    check_positions(config, positions)
     check_checkpoint(Path(config.run_dir) / "checkpoints", shapes, config.model_dir)
+
+
+def check_positions(config: TrainerServiceConfig, positions: int | None) -> None:
+    """PrecheckError when the chain task's longest prompt plus answer would run past the model's positions
+    (RoPE does not extrapolate: such samples would be nonsense, not just long)."""
+    if config.data.train_files or positions is None:
+        return
+    chain = config.task.chain()
+    if chain.sequence_tokens() > positions:
+        raise PrecheckError(
+            f"task {chain.name}: prompt plus longest answer is {chain.sequence_tokens()} tokens, past the "
+            f"{positions} positions of {config.model_dir}"
+        )
 
 
 def check_checkpoint(root: Path, shapes: dict[str, tuple[int, ...]], model_dir: str) -> None:

@@ -74,8 +74,7 @@ def build_training_data(config: TrainerServiceConfig, tokenizer, model_dir: str 
             sets = [load_samples(f, shape, d.on_bad_row) for f in d.train_files]
         else:
             task = config.task
-            chain = ChainTask(task.pairs, task.max_hops, task.min_hops, task.name_pool)
-            sets = [_chain_set(chain, task.count, task.seed)]
+            sets = [_chain_set(task.chain(), task.count, task.seed)]
         evals = [load_samples(f, shape, d.on_bad_row) for f in d.eval_files]
         for e in evals:
             if not any(s.ground_truth is not None for s in e.samples):

@@ -7,6 +7,12 @@ stands as a key (right after a `;`). Longer chains go round the cycle again, so 
 no more names than the prompt has (the model's name embeddings all stay trained); their lookups reach
 back into the prompt or to the same hop one lap earlier. The hop number counts down so the model
 knows when to stop.
+
+The long variant (`filler` > 0) writes a countdown `F ... 1` after every hop's pair: work that needs
+only the last few tokens, so a solution reaches thousands of tokens while its decisions stay few
+(one lookup per hop). A lap of the cycle then spans `pairs * hop_tokens` tokens, so every lookup's
+evidence (the pair in the prompt, or the same hop one lap earlier) lies that far back or further:
+`evidence_distances` says exactly how far, per decision.
 """
 
 from __future__ import annotations
@@ -22,6 +28,11 @@ SPLITS = ("train", "heldout")
 DEFAULT_NAME_POOL = 64
 # One example in HELDOUT_MODULUS (by a hash of its prompt) is held out; training never emits those.
 HELDOUT_MODULUS = 8
+# The long task (models/long): a countdown of 30 after each hop makes a hop 34 tokens, so one lap of the
+# 64-name cycle spans 2,176 tokens and every lookup after the first ~55 hops reads evidence more than 2K
+# tokens back; 256 hops reach 8,905 tokens of KV.
+LONG_FILLER = 30
+LONG_HOPS = 256
 
 
 class TaskError(ValueError):
@@ -55,6 +66,8 @@ class ChainTask:
     max_hops: int
     min_hops: int = 1
     name_pool: int | None = None
+    filler: int = 0
+    """countdown tokens written after each hop's pair (0: the plain chain task)"""
 
     def __post_init__(self) -> None:
         if not 2 <= self.pairs <= MAX_NAMES:
@@ -67,12 +80,19 @@ class ChainTask:
             raise TaskError(
                 f"hops must satisfy 1 <= min_hops <= max_hops <= {MAX_HOPS}, got {self.min_hops}..{self.max_hops}"
             )
+        if not 0 <= self.filler <= MAX_HOPS:
+            raise TaskError(f"filler must be in [0, {MAX_HOPS}], got {self.filler}")
 
     @property
     def name(self) -> str:
         """A short label, e.g. `p64-h32` or `p64-h1..32`."""
         hops = f"{self.max_hops}" if self.min_hops == self.max_hops else f"{self.min_hops}..{self.max_hops}"
-        return f"p{self.pairs}-h{hops}"
+        return f"p{self.pairs}-h{hops}" + (f"-f{self.filler}" if self.filler else "")
+
+    @property
+    def hop_tokens(self) -> int:
+        """Tokens of one hop: `k A B`, the filler countdown, `;`."""
+        return 4 + self.filler
 
     def prompt_tokens(self) -> int:
         """Prompt length in tokens, BOS included (fixed for a difficulty, so batches need no left padding)."""
@@ -81,7 +101,28 @@ class ChainTask:
     def sequence_tokens(self, hops: int | None = None) -> int:
         """Prompt plus a correct solution of `hops` (default max_hops) hops plus EOS: the KV length reached."""
         h = self.max_hops if hops is None else hops
-        return self.prompt_tokens() + 4 * h + 3 + 1
+        return self.prompt_tokens() + self.hop_tokens * h + 3 + 1
+
+    def lookup_offsets(self, hops: int) -> list[int]:
+        """Offsets, within the solution's tokens, of the looked-up name of each hop (the decisions)."""
+        return [self.hop_tokens * j + 2 for j in range(hops)]
+
+    def evidence_distances(self, example: Example) -> list[int]:
+        """Per decision (looked-up name), how many tokens back its nearest evidence lies: the pair in the
+        prompt, or the same pair written by an earlier hop. Distances are between the position that
+        predicts the name and the first token of that evidence (the key name)."""
+        words = example.prompt.split()
+        key_pos = {words[i]: 1 + i for i in range(0, 3 * self.pairs, 3)}  # BOS is position 0
+        start = 1 + len(words)
+        sol = example.solution.split()
+        out, last = [], {}
+        for off in self.lookup_offsets(example.hops):
+            key = sol[off - 1]
+            here = start + off - 1  # the position whose output is the looked-up name
+            near = last.get(key, key_pos[key])
+            out.append(here - near)
+            last[key] = start + off - 1
+        return out
 
     def sample(self, rng: random.Random) -> Example:
         """Draw one example (any split) from `rng`."""
@@ -95,8 +136,9 @@ class ChainTask:
         context = " ".join(f"{k} {nxt[k]} {SEP}" for k in keys)
         prompt = f"{context} {QUERY} {start} {hops} {COLON}"
         steps, cur = [], start
+        filler = "".join(f" {i}" for i in range(self.filler, 0, -1))
         for remaining in range(hops, 0, -1):
-            steps.append(f"{remaining} {cur} {nxt[cur]} {SEP}")
+            steps.append(f"{remaining} {cur} {nxt[cur]}{filler} {SEP}")
             cur = nxt[cur]
         solution = f"{' '.join(steps)} {BOX_OPEN} {cur} {BOX_CLOSE}"
         return Example(prompt=prompt, solution=solution, answer=cur, pairs=self.pairs, hops=hops)

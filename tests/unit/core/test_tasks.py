@@ -115,3 +115,43 @@ def test_sampling_uses_only_the_given_rng():
     a = ChainTask(6, 3).sample(random.Random(1))
     b = ChainTask(6, 3).sample(random.Random(1))
     assert a == b
+
+
+def _positions(example):
+    """Every token of prompt and solution with its position (BOS at 0)."""
+    return ["<s>", *example.prompt.split(), *example.solution.split()]
+
+
+def test_long_task_writes_a_countdown_after_each_hop():
+    task = ChainTask(pairs=8, max_hops=20, min_hops=20, filler=5)
+    ex = generate(task, 1, seed=2)[0]
+    assert _follow(ex) == ex.answer and chain_reward(ex.solution, ex.answer) == 1.0
+    hops = ex.solution.split(" ; ")[:-1]
+    assert [h.split()[3:] for h in hops] == [["5", "4", "3", "2", "1"]] * 20
+    assert len(_positions(ex)) + 1 == task.sequence_tokens() == task.prompt_tokens() + 20 * task.hop_tokens + 4
+    assert task.name == "p8-h20-f5"
+    with pytest.raises(TaskError, match="filler"):
+        ChainTask(pairs=8, max_hops=8, filler=-1)
+
+
+def test_evidence_distances_point_at_the_nearest_earlier_statement_of_the_pair():
+    task = ChainTask(pairs=6, max_hops=15, min_hops=15, filler=3)
+    ex = generate(task, 1, seed=5)[0]
+    tokens = _positions(ex)
+    start = 1 + len(ex.prompt.split())
+    for off, dist in zip(task.lookup_offsets(ex.hops), task.evidence_distances(ex), strict=True):
+        here = start + off - 1  # the current name, whose next token is the looked-up one
+        key, value = tokens[here], tokens[here + 1]
+        # a brute-force search: the latest earlier position where `key` is followed by `value`
+        earlier = [i for i in range(here) if tokens[i] == key and tokens[i + 1] == value]
+        assert earlier and here - earlier[-1] == dist
+    # a lap (6 hops of 7 tokens) back once the first lap is written
+    assert task.evidence_distances(ex)[6:] == [6 * task.hop_tokens] * 9
+
+
+def test_the_long_task_puts_most_evidence_more_than_2k_tokens_back():
+    long = ChainTask(pairs=64, max_hops=256, min_hops=256, filler=30)
+    plain = ChainTask(pairs=64, max_hops=200, min_hops=200)
+    far = [d > 2048 for ex in generate(long, 4, seed=0) for d in long.evidence_distances(ex)]
+    assert long.sequence_tokens() == 8905 and sum(far) / len(far) > 0.75
+    assert max(d for ex in generate(plain, 4, seed=0) for d in plain.evidence_distances(ex)) < 600

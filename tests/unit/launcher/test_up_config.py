@@ -56,6 +56,18 @@ def test_children_get_the_wiring_the_local_defaults_and_the_users_overrides(tmp_
     assert c.controller.cost.prompt_len == 3 * t.task.pairs + 5 and c.controller.cost.samples == 4
 
 
+def test_the_long_model_runs_the_long_task_with_room_for_its_answers(tmp_path):
+    c = _resolve(UpConfig(model_size="long"), tmp_path)
+    chain = c.trainer.task.chain()
+    assert chain.filler == 30 and (chain.min_hops, chain.max_hops) == (96, 128)
+    assert c.trainer.sampling.max_new_tokens >= chain.sequence_tokens() - chain.prompt_tokens()
+    assert c.generators[0].engine.max_model_len >= chain.sequence_tokens()
+    # a user's own model (model_dir) keeps the short default, whatever model_size says
+    assert _resolve(UpConfig(model_size="long", model_dir="/models/mine"), tmp_path).trainer.task.filler == 0
+    with pytest.raises(ConfigError, match="longest answer is 8708 tokens"):
+        _resolve(UpConfig(model_size="long", trainer={"task": {"max_hops": 256}}), tmp_path)
+
+
 def test_dense_runs_have_no_schedule_and_no_controller(tmp_path):
     c = _resolve(UpConfig(dense=True), tmp_path)
     assert c.controller is None

@@ -62,6 +62,11 @@ def test_environment_and_flags_override_and_the_token_is_masked(monkeypatch):
         ({"memory.cpu_offload": True}, 'device = "cpu" has none to move'),
         ({"memory.activation_checkpointing": "always"}, "memory.activation_checkpointing"),
         ({"memory.checkpoint_min_tokens": 0}, "memory.checkpoint_min_tokens"),
+        ({"task.filler": -1}, "task.filler"),
+        (
+            {"task.pairs": 64, "task.max_hops": 256, "task.filler": 30, "sampling.max_new_tokens": 4096},
+            "task p64-h1..256-f30: its longest answer is 8708 tokens",
+        ),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):
@@ -114,3 +119,14 @@ def test_cli_names_a_run_dir_it_cannot_use_in_one_line(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and last.startswith("sparrow trainer: error:") and "run.json" in last
     assert "Traceback" not in done.stderr
+
+
+def test_the_long_task_must_fit_the_models_positions(tmp_path):
+    from services.trainer.prechecks import PrecheckError, check_positions
+
+    long = {"task.pairs": 64, "task.max_hops": 256, "task.filler": 30, "sampling.max_new_tokens": 8708}
+    config = load_config(TrainerServiceConfig, overrides=long)
+    check_positions(config, 16384)  # models/long's
+    with pytest.raises(PrecheckError, match="prompt plus longest answer is 8905 tokens, past the 4096 positions"):
+        check_positions(config, 4096)  # models/small's
+    check_positions(load_config(TrainerServiceConfig, overrides={**long, "data.train_files": ["x.jsonl"]}), 4096)

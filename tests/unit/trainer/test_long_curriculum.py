@@ -1,0 +1,34 @@
+"""The long model's curriculum: every stage is the long task (same countdown), its batches mark exactly the
+looked-up names, and the build's extra loss on them is what lets lookup form under the countdown's tokens."""
+
+from sparrow.tasks.chain import LONG_FILLER, LONG_HOPS
+from sparrow.tasks.vocab import NAMES, VOCAB
+from trainer.curriculum import Curriculum, stage_tasks
+from trainer.model_build import BuildConfig, qwen3_config
+
+
+def test_long_stages_keep_the_countdown_and_end_at_the_full_length():
+    cfg = BuildConfig.for_size("long")
+    tasks = stage_tasks(cfg.curriculum)
+    assert {t.filler for t in tasks} == {LONG_FILLER}
+    assert (tasks[0].pairs, tasks[0].max_hops) == (4, 2)
+    assert (tasks[-1].pairs, tasks[-1].max_hops) == (64, LONG_HOPS)
+    model = qwen3_config("long")
+    assert tasks[-1].sequence_tokens() <= model.max_position_embeddings
+    assert model.num_hidden_layers >= 8 and model.rope_parameters["rope_theta"] >= 1e6
+    assert cfg.lookup_weight > 0 and BuildConfig.for_size("small").lookup_weight == 0
+
+
+def test_long_batches_mark_each_hops_looked_up_name_and_nothing_else():
+    cur = Curriculum(BuildConfig.for_size("long").curriculum, seed=3)
+    cur.stage = 6
+    batch = cur.next_batch()
+    task = cur.tasks[6]
+    for row, mask, loss in zip(batch.input_ids, batch.lookup_mask, batch.loss_mask, strict=True):
+        words = [VOCAB[int(t)] for t in row]
+        marked = [i for i in range(len(words)) if mask[i]]
+        start = int(loss.nonzero()[0])
+        hops = int(words[start])  # the first hop's counter is the hop count
+        assert marked == [start + off for off in task.lookup_offsets(hops)]
+        assert all(words[i] in NAMES and words[i - 2] == str(hops - j) for j, i in enumerate(marked))
+        assert words[marked[0] + 1 : marked[0] + 1 + LONG_FILLER] == [str(n) for n in range(LONG_FILLER, 0, -1)]
