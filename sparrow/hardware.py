@@ -35,21 +35,43 @@ _PRESETS: dict[str, Hardware] = {
 }
 
 
+# Names resolved on the machine itself, when first needed: `cpu` measures this CPU, `auto` the machine's
+# accelerator preset or, with none visible, this CPU (what a local run's generators run on).
+MEASURED = ("cpu", "auto")
+
+
 def list_hardware() -> list[str]:
-    """Names of the hardware presets (`cpu` is measured, see `probe_cpu`)."""
+    """Names of the hardware presets (`cpu` and `auto` are measured, see `probe_cpu` and `detect_hardware`)."""
     return list(_PRESETS)
 
 
+def detect_hardware() -> Hardware:
+    """This machine's hardware: the preset of the first visible CUDA GPU, by its name, or this CPU measured.
+
+    HardwareError for a GPU without a preset (its figures would be guesses; name h200, h100 or cpu instead)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return probe_cpu()
+    device = torch.cuda.get_device_name(0)
+    for key, hw in _PRESETS.items():
+        if key in device.lower().replace(" ", ""):
+            return hw
+    raise HardwareError(f"no preset for the GPU {device!r}; name one of {', '.join([*_PRESETS, 'cpu'])}")
+
+
 def get_hardware(name: str) -> Hardware:
-    """The hardware preset `name`; `cpu` runs `probe_cpu()`."""
+    """The hardware preset `name`; `cpu` runs `probe_cpu()`, `auto` runs `detect_hardware()`."""
     key = name.lower()
     if key == "cpu":
         return probe_cpu()
+    if key == "auto":
+        return detect_hardware()
     if key == "h100-sxm":
         key = "h100"
     hw = _PRESETS.get(key)
     if hw is None:
-        known = [*_PRESETS, "cpu"]
+        known = [*_PRESETS, *MEASURED]
         close = difflib.get_close_matches(key, known, n=2, cutoff=0.5)
         hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(known)}"
         raise HardwareError(f"unknown hardware {name!r}; {hint}")

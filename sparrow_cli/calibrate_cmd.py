@@ -41,7 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-prompts", type=int, default=32, help="calibration prompts (default 32)")
     p.add_argument("--num-heldout", type=int, default=None, help="held-out prompts (default: --num-prompts)")
     p.add_argument("--task-pairs", type=int, default=64, help="chain task: pairs in the context (default 64)")
-    p.add_argument("--task-hops", type=int, default=128, help="chain task: most hops, 1.. of them (default 128)")
+    p.add_argument("--task-hops", type=int, default=128, help="chain task: most hops (default 128)")
+    p.add_argument("--task-min-hops", type=int, default=1, help="chain task: fewest hops (default 1)")
+    p.add_argument(
+        "--task-filler", type=int, default=None, help="chain task: countdown per hop (default: the model's, build.json)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: a full task solution, or 512")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling and scoring temperature (default 1.0)")
     p.add_argument("--min-bin-tokens", type=int, default=100, help="fewer tokens: bin reported, not trusted (100)")
@@ -111,10 +115,15 @@ def run(args: argparse.Namespace) -> int:
             calib, held = cal.split_prompts(tokenizer, prompt_set.prompts, args.num_prompts, heldout, args.seed)
             source, max_new = str(args.prompts), args.max_new_tokens or 512
         else:
+            from sparrow.tasks import ChainTask
+            from sparrow_cli.model_cmd import built_filler
+
+            filler = built_filler(args.model) if args.task_filler is None else args.task_filler
+            task = ChainTask(args.task_pairs, args.task_hops, args.task_min_hops, filler=filler)
             calib, held, source = cal.task_prompts(
-                tokenizer, args.task_pairs, args.task_hops, args.num_prompts, heldout, args.seed
+                tokenizer, args.task_pairs, args.task_hops, args.num_prompts, heldout, args.seed, task.min_hops, filler
             )
-            max_new = args.max_new_tokens or 4 * args.task_hops + 12
+            max_new = args.max_new_tokens or task.sequence_tokens() - task.prompt_tokens() + 8
         settings = cal.Settings(
             budgets=tuple(sorted(set(args.budgets))),
             bin_width=args.bin_width,

@@ -197,11 +197,13 @@ def _p5_text(rows: list[dict[str, Any]]) -> str:
     return ", ".join(f"{r['kv_start']}+: {r['p5']:.3f}{'' if r['trusted'] else '?'}" for r in rows)
 
 
-def task_prompts(tokenizer, pairs: int, max_hops: int, count: int, heldout: int, seed: int) -> tuple[list, list, str]:
+def task_prompts(
+    tokenizer, pairs: int, max_hops: int, count: int, heldout: int, seed: int, min_hops: int = 1, filler: int = 0
+) -> tuple[list, list, str]:
     """Token ids of `count` training-split and `heldout` held-out-split chain-task prompts, and a label."""
     from sparrow.tasks import ChainTask, ExampleStream
 
-    task = ChainTask(pairs=pairs, max_hops=max_hops)
+    task = ChainTask(pairs=pairs, max_hops=max_hops, min_hops=min_hops, filler=filler)
     calib = ExampleStream(task, seed=seed, split="train").take(count)
     held = ExampleStream(task, seed=seed, split="heldout").take(heldout)
     encode = _encoder(tokenizer)

@@ -94,7 +94,11 @@ class UpConfig(SparrowConfig):
     )
     tau: float = Field(0.86, gt=0, lt=1, description="Stability threshold on each bin's p5 of alpha.")
     cost_hardware: str = Field(
-        "h200", description="Hardware the cost model prices the predicted speedup on (h200, h100, cpu)."
+        "auto",
+        description=(
+            "Hardware the cost model prices the predicted speedup on: auto (this machine's: its GPU's preset, or "
+            "this CPU measured), h200, h100 or cpu."
+        ),
     )
     token: SecretStr | None = Field(
         None, description="Service token of the cluster's gRPC links; unset: a random one per run. Set SPARROW_TOKEN."

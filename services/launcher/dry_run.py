@@ -101,11 +101,11 @@ def check_schedule(ctx: DryRun) -> str:
 
 
 def check_cost_model(ctx: DryRun) -> str:
-    from sparrow.hardware import HardwareError, get_hardware
+    from sparrow.hardware import MEASURED, HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
 
-    if ctx.up.cost_hardware.lower() == "cpu":
-        return "cpu (measured when first needed)"
+    if ctx.up.cost_hardware.lower() in MEASURED:
+        return f"{ctx.up.cost_hardware.lower()} (this machine's, measured when first needed)"
     try:
         hardware = get_hardware(ctx.up.cost_hardware)
     except HardwareError as exc:

@@ -44,6 +44,7 @@ from services.launcher.services import (
 from services.launcher.toml_text import to_toml
 from services.trainer.config import TrainerServiceConfig
 from sparrow.config import environment_value
+from sparrow.hardware import MEASURED, HardwareError, get_hardware
 from sparrow.schedule import Schedule, ScheduleError
 
 REPO_MODELS = Path(__file__).resolve().parents[2] / "models"
@@ -161,9 +162,7 @@ def make_plan(up: UpConfig, run_dir: Path | None = None, resume: bool = False) -
         raise SetupError(missing)
     model_dir, build = model_folder(up)
     schedule, schedule_file = load_schedule(up)
-    if up.cost_hardware.lower() != "cpu":  # "cpu" is measured when first needed; the presets are known now
-        from sparrow.hardware import HardwareError, get_hardware
-
+    if up.cost_hardware.lower() not in MEASURED:  # those are measured when first needed; the presets are known now
         try:
             get_hardware(up.cost_hardware)
         except HardwareError as exc:

@@ -68,3 +68,20 @@ def test_cpu_probe_measures_something_plausible():
     assert hw.name == "cpu" and hw.bytes_per_element == 4
     assert 1e8 < hw.peak_flops < 1e14
     assert 1e8 < hw.mem_bandwidth < 1e13
+
+
+def test_auto_is_this_machines_hardware(monkeypatch):
+    import torch
+
+    # no GPU here: auto is this CPU, measured (a local run's generators run on it)
+    if not torch.cuda.is_available():
+        assert get_hardware("auto").name == "cpu"
+    # a GPU is priced by its preset when its name has one, and refused in one line when not
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU on CI machines: the name is faked
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert get_hardware("AUTO").name == "h200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    assert get_hardware("auto").name == "h100"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A10G")
+    with pytest.raises(HardwareError, match="no preset for the GPU 'NVIDIA A10G'"):
+        get_hardware("auto")
