@@ -31,16 +31,17 @@ def test_the_code_reward_gets_a_budget_of_its_own_others_the_default():
 
 
 def test_a_sandbox_restart_within_the_budget_does_not_score_0():
-    r = RewardConfig()  # the trainer's defaults
+    # the trainer's per-reward budgets, under a default of 2 s (the shipped 10 s would only make the test wait)
+    r = RewardConfig(timeout_s=2.0)
     port = free_port()
     extras = {"tests": SUM, "options": {"url": f"http://127.0.0.1:{port}"}}
     pool = RewardPool(1, r.timeout_s, timeouts=r.timeouts)
     try:
         with sandbox_service("--workers", "1", port=port):
             assert pool.submit("code", RIGHT, None, extras).result(timeout=120).score == 1.0  # imported, warm
-        # Down (as when killed); back after 12 s, past the 10 s every other reward's call gets.
+        # Down (as when killed); back after 3 s, past the 2 s every other reward's call gets.
         future = pool.submit("code", RIGHT, None, extras)
-        time.sleep(12)
+        time.sleep(3)
         assert not future.done(), future.result()
         with sandbox_service("--workers", "1", port=port):
             result = future.result(timeout=120)
