@@ -58,6 +58,13 @@ class FinishedSample:
     queue_seconds: float = 0.0
     generate_seconds: float = 0.0
     probe: bool = False  # started as a probe sequence: its budgets were the probe's while one applied
+    # Speculative decoding (0 and empty otherwise): drafts made while the sample ran, drafts the dense verify
+    # accepted, and per drafted position sum_x min(p, q) of its dense and draft distributions with the KV
+    # length of the draft step that made it (drafts past the sample's end included).
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_alphas: list[float] = field(default_factory=list)
+    draft_kv_lens: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
 
