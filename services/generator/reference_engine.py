@@ -205,9 +205,11 @@ class ReferenceEngine(RolloutEngine):
                 queue_seconds=start - submitted,
                 generate_seconds=elapsed,
                 probe=bool(probing[i]),
+                speculative_tokens=self.speculative_tokens if r.drafted else 0,
                 drafted_tokens=r.drafted,
                 accepted_tokens=r.accepted,
                 draft_alphas=r.alphas,
+                draft_accepted=r.draft_accepted,
                 draft_kv_lens=r.alpha_kv_lens,
             )
             for i, r in enumerate(rows)

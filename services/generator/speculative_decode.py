@@ -32,6 +32,7 @@ class DecodedRow:
         self.drafted = 0
         self.accepted = 0
         self.alphas: list[float] = []  # sum_x min(p, q) of every drafted position
+        self.draft_accepted: list[bool] = []
         self.alpha_kv_lens: list[int] = []  # KV length of the draft step that produced it
 
     def add(self, token: int, logprob: float, top_ids: list[int], top_logprobs: list[float], budget: int) -> None:
@@ -81,8 +82,10 @@ class SpeculativeDecoder:
             for i in active:
                 row, start = rows[i], int(lens[i])
                 row.drafted += self.k
-                row.accepted += int(verdict.accepted[i])
+                kept = int(verdict.accepted[i])
+                row.accepted += kept
                 row.alphas.extend(alpha[i])
+                row.draft_accepted.extend(j < kept for j in range(self.k))
                 row.alpha_kv_lens.extend(range(start + 1, start + self.k + 1))
             self._record(rows, done, emitted, verdict.accepted + 1, dense)
             lens = lens + torch.where(alive, verdict.accepted + 1, 0)  # finished rows stay where they are
