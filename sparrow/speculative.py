@@ -31,7 +31,7 @@ class Verdict:
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """`probs` [..., vocab] restricted to the most likely tokens whose mass reaches `top_p` (at least one), renormalised.
+    """`probs` [..., vocab] cut to the most likely tokens whose mass reaches `top_p` (at least one), renormalised.
 
     The same nucleus rule as the engine's sampler; applied to both p and q, so the output follows p's nucleus.
     """

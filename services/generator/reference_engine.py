@@ -9,6 +9,11 @@ budget of every position (0 where attention was dense: the first token, which co
 dense prefill, and any step whose budget covered its whole context), loads new
 policy weights in place and peft LoRA adapters (injected by peft, one adapter name per version;
 a refused adapter leaves the previous one serving).
+
+`decode` (`DECODE_MODES`, per engine; a group may ask for its own, `PromptGroup.decode`): sparse is the
+above; dense ignores the schedule; speculative drafts through the block-sparse path and verifies
+densely (`speculative_decode`), so every token is the dense policy's and reports budget 0. A
+speculative group with no schedule in force decodes densely (there is nothing to draft with).
 """
 
 from __future__ import annotations
@@ -28,10 +33,10 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
+from services.generator.speculative_decode import DecodedRow, SpeculativeDecoder
 from sparrow.budget import in_pages, page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.prompts import stop_token_ids
-from services.generator.speculative_decode import DecodedRow, SpeculativeDecoder
 from sparrow.schedule import Schedule
 from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
 from sparrow.work import PromptGroup
@@ -104,7 +109,16 @@ class ReferenceEngine(RolloutEngine):
             raise EngineError(f"prompt token id {top} is outside the model's vocabulary of {self.vocab_size}")
         if any(g.group_id == group.group_id for g, _ in self._queue):
             raise EngineError(f"group {group.group_id} is already in the batch")
+        if self._mode(group) == "speculative" and self._adapter is not None:
+            raise EngineError(
+                f"group {group.group_id} asks for speculative decoding, which does not take the DistillSparse "
+                f"adapter this engine serves (adapter v{self._versions.adapter_version})"
+            )
         self._queue.append((group, time.monotonic()))
+
+    def _mode(self, group: PromptGroup) -> str:
+        """How `group` decodes: dense groups densely, otherwise the mode it asks for or the engine's."""
+        return "dense" if group.dense else group.decode or self.decode
 
     def step(self) -> list[FinishedSample]:
         if not self._queue:
@@ -128,7 +142,8 @@ class ReferenceEngine(RolloutEngine):
         max_new = min(s.max_new_tokens, self.max_model_len - plen)
         schedule, versions = self._schedule, self._versions
         plan = self.probe_plan
-        if group.dense or self.decode == "dense":  # dense attention whatever the schedule, and never a probe
+        mode = self._mode(group)
+        if mode == "dense":  # dense attention whatever the schedule, and never a probe
             schedule, plan = None, None
         if group.evaluation:  # evaluation under the schedule: that schedule's samples, never a probe's
             plan = None
@@ -137,7 +152,7 @@ class ReferenceEngine(RolloutEngine):
         probing = torch.tensor(
             [plan is not None and self._probe_share.take(plan.share) for _ in range(n)], device=self.device
         )
-        speculate = self.decode == "speculative" and schedule is not None
+        speculate = mode == "speculative" and schedule is not None
         lens = torch.full((n,), plen, dtype=torch.long, device=self.device)
         # Speculation drafts up to k slots past the last token it may emit.
         capacity = plen + max_new + (self.speculative_tokens + 1 if speculate else 0)

@@ -93,7 +93,7 @@ class SpeculativeDecoder:
         return rows
 
     def _draft(self, pending: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k block-sparse steps from `pending` at position `lens`: the draft distributions [n, k, vocab] and drafts [n, k]."""
+        """k block-sparse steps from `pending` at position `lens`: draft distributions [n, k, vocab], drafts [n, k]."""
         qs, drafts, tok = [], [], pending
         for j in range(self.k):
             kv = lens + j + 1
@@ -101,7 +101,9 @@ class SpeculativeDecoder:
             pages = self.draft_pages(kv)
             if pages is not None:
                 self.cache.budgets = pages
-            out = self.model(input_ids=tok[:, None], position_ids=(kv - 1)[:, None], use_cache=False, sparrow_cache=self.cache)
+            out = self.model(
+                input_ids=tok[:, None], position_ids=(kv - 1)[:, None], use_cache=False, sparrow_cache=self.cache
+            )
             q = nucleus(scaled_logprobs(out.logits[:, 0], self.s.temperature).exp(), self.s.top_p)
             tok = torch.multinomial(q, 1, generator=self.rng)[:, 0]
             qs.append(q)
@@ -109,7 +111,7 @@ class SpeculativeDecoder:
         return torch.stack(qs, dim=1), torch.stack(drafts, dim=1)
 
     def _verify(self, pending: torch.Tensor, drafts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-        """The dense pass over [pending, drafts] from position `lens`: log-probs [n, k + 1, vocab] at the temperature."""
+        """The dense pass over [pending, drafts] from position `lens`: log-probs [n, k + 1, vocab] (temperature)."""
         ids = torch.cat([pending[:, None], drafts], dim=1)
         positions = lens[:, None] + torch.arange(self.k + 1, device=lens.device)[None, :]
         self.cache.start_verify(lens)
@@ -117,7 +119,12 @@ class SpeculativeDecoder:
         return scaled_logprobs(out.logits, self.s.temperature)
 
     def _record(
-        self, rows: list[DecodedRow], done: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, dense: torch.Tensor
+        self,
+        rows: list[DecodedRow],
+        done: torch.Tensor,
+        tokens: torch.Tensor,
+        counts: torch.Tensor,
+        dense: torch.Tensor,
     ) -> None:
         """Append each unfinished row's first `counts` tokens with their dense scores; mark rows that stop."""
         top = torch.topk(dense, min(self.s.top_logprobs, dense.shape[-1]), dim=-1)

@@ -71,7 +71,7 @@ def test_greedy_speculation_is_dense_greedy_token_for_token_across_schedule_and_
         assert fast.kv_budgets == [0] * len(fast.token_ids) and fast.versions.schedule_version == schedule.version
         assert 0 < fast.accepted_tokens < fast.drafted_tokens and fast.drafted_tokens % 6 == 0
         misses, exempt = _argmax_misses(model_dir, prompt, fast.token_ids)
-        print(f"{model_dir.name}: {len(fast.token_ids)} tokens, {exempt} near-tie positions exempted (margin < {TIE_EPS})")
+        print(f"{model_dir.name}: {len(fast.token_ids)} tokens, {exempt} near ties exempted (margin < {TIE_EPS})")
         assert misses == 0 and exempt <= len(fast.token_ids) // 100
     assert spec.versions.policy_version == 7
 
@@ -168,3 +168,22 @@ def test_refusals_are_one_line_and_leave_the_engine_serving(tmp_path):
     [s] = _one(engine, chain_prompt(), max_new_tokens=10)
     assert s.drafted_tokens == 0 and s.kv_budgets == [0] * len(s.token_ids)
     _engine("sparse").set_schedule(Schedule(budgets=(48,), dense_layers=(0, 1, 2, 3)))  # lossy mode takes it
+
+
+def test_a_group_may_ask_for_speculation_from_a_sparse_engine_and_is_refused_under_an_adapter(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    engine = _engine("sparse")
+    engine.set_schedule(AGGRESSIVE)
+    prompt = _random_prompt(6)
+    settings = Sampling(top_p=GREEDY, max_new_tokens=120)
+    engine.submit(PromptGroup("s", tuple(prompt), 1, 0, settings, decode="speculative"))
+    engine.submit(PromptGroup("d", tuple(prompt), 1, 0, settings, dense=True))
+    engine.submit(PromptGroup("l", tuple(prompt), 1, 0, settings))
+    [fast], [dense], [lossy] = engine.step(), engine.step(), engine.step()
+    assert fast.token_ids == dense.token_ids != lossy.token_ids and fast.drafted_tokens > 0
+    get_peft_model(load_model(TINY), LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    engine.load_adapter(tmp_path / "a", 1)
+    with pytest.raises(EngineError, match="asks for speculative decoding, which does not take"):
+        engine.submit(PromptGroup("s2", tuple(prompt), 1, 0, settings, decode="speculative"))
+    assert engine.in_flight == 0
