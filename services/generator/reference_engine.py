@@ -13,7 +13,8 @@ a refused adapter leaves the previous one serving).
 `decode` (`DECODE_MODES`, per engine; a group may ask for its own, `PromptGroup.decode`): sparse is the
 above; dense ignores the schedule; speculative drafts through the block-sparse path and verifies
 densely (`speculative_decode`), so every token is the dense policy's and reports budget 0. A
-speculative group with no schedule in force decodes densely (there is nothing to draft with).
+speculative group with no schedule in force decodes densely (there is nothing to draft with), and
+none of its samples is a probe (a probe measures a lossy budget's tail, which a lossless sample lacks).
 """
 
 from __future__ import annotations
@@ -147,6 +148,8 @@ class ReferenceEngine(RolloutEngine):
             schedule, plan = None, None
         if group.evaluation:  # evaluation under the schedule: that schedule's samples, never a probe's
             plan = None
+        if mode == "speculative":  # a probe measures a lossy budget's tail; a lossless sample has none to show
+            plan = None
         # Which of the group's samples are probes: decoded at the plan's budgets (fixed for the group:
         # this engine takes a new probe or schedule between groups).
         probing = torch.tensor(
@@ -163,16 +166,7 @@ class ReferenceEngine(RolloutEngine):
         stops = list(dict.fromkeys([*self.eos_ids, *s.stop_token_ids]))
         eos = torch.tensor(stops, dtype=torch.long, device=self.device)
         if speculate:
-
-            def draft_pages(kv_lens: torch.Tensor) -> torch.Tensor | None:
-                # A probe sample drafts at the probe's budgets: what it measures is then that budget's acceptance.
-                if plan is None:
-                    return None
-                return torch.where(probing, in_pages(plan.budget_tokens(kv_lens)), schedule.budget_pages(kv_lens))
-
-            decoder = SpeculativeDecoder(
-                self.model, cache, s, self.speculative_tokens, max_new, eos, self._rng, draft_pages
-            )
+            decoder = SpeculativeDecoder(self.model, cache, s, self.speculative_tokens, max_new, eos, self._rng)
             rows = decoder.run(logits, lens)
             return self._finished(group, rows, stops, versions, probing, submitted, start)
         rows = [DecodedRow() for _ in range(n)]

@@ -1,16 +1,14 @@
 """Lossless sparse decoding for the reference engine: the block-sparse model drafts, the same model verifies densely.
 
-One cycle per batch: k draft steps through the block-sparse path (the schedule's budgets, or a
-probe's) over the group's own paged KV cache, then one dense pass over the k + 1 positions (the last
-emitted token and the k drafts) that rewrites those slots with dense keys and values, and exact
+One cycle per batch: k draft steps through the block-sparse path (the schedule's budgets) over the
+group's own paged KV cache, then one dense pass over the k + 1 positions (the last emitted token
+and the k drafts) that rewrites those slots with dense keys and values, and exact
 rejection sampling (`sparrow.speculative`). Rows advance by what each accepted, so the cache runs
 with per-row lengths. Every emitted token is the dense policy's: its logprob and top list come from
 the verify pass, its reported budget is 0 (dense).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -55,11 +53,9 @@ class SpeculativeDecoder:
         max_new: int,
         stops: torch.Tensor,
         rng: torch.Generator,
-        draft_pages: Callable[[torch.Tensor], torch.Tensor | None],
     ) -> None:
         self.model, self.cache, self.s, self.k = model, cache, sampling, k
         self.max_new, self.stops, self.rng = max_new, stops, rng
-        self.draft_pages = draft_pages  # KV lengths -> pages each row's draft keeps (None: the schedule's)
 
     @torch.no_grad()
     def run(self, logits: torch.Tensor, lens: torch.Tensor) -> list[DecodedRow]:
@@ -97,10 +93,7 @@ class SpeculativeDecoder:
         qs, drafts, tok = [], [], pending
         for j in range(self.k):
             kv = lens + j + 1
-            self.cache.start_step(kv)
-            pages = self.draft_pages(kv)
-            if pages is not None:
-                self.cache.budgets = pages
+            self.cache.start_step(kv)  # the schedule's budgets at each row's own KV length
             out = self.model(
                 input_ids=tok[:, None], position_ids=(kv - 1)[:, None], use_cache=False, sparrow_cache=self.cache
             )

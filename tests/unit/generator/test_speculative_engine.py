@@ -163,6 +163,15 @@ def test_refusals_are_one_line_and_leave_the_engine_serving(tmp_path):
     with pytest.raises(EngineError, match="does not take DistillSparse adapters"):
         engine.load_adapter(tmp_path, 1)
     assert engine.versions.adapter_version == 0
+    # A probe applies to sparse samples only: a lossless sample has no lossy tail to measure.
+    import time
+
+    from sparrow.probe import Probe
+
+    engine.set_probe(Probe(3, 1.0, (48, 48), time.time() + 60))
+    assert engine.probe_plan is not None
+    assert not any(s.probe for s in _one(engine, chain_prompt(pairs=16, hops=8), n=2, max_new_tokens=10))
+    engine.set_probe(None)
     # No schedule yet (dense until the controller publishes one): dense decoding, no drafts.
     engine.set_schedule(None)
     [s] = _one(engine, chain_prompt(), max_new_tokens=10)
