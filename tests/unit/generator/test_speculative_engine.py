@@ -196,3 +196,21 @@ def test_a_group_may_ask_for_speculation_from_a_sparse_engine_and_is_refused_und
     with pytest.raises(EngineError, match="asks for speculative decoding, which does not take"):
         engine.submit(PromptGroup("s2", tuple(prompt), 1, 0, settings, decode="speculative"))
     assert engine.in_flight == 0
+
+
+def test_a_generator_in_speculative_mode_refuses_an_all_dense_start_schedule_in_one_line(tmp_path):
+    from services.generator.config import GeneratorConfig
+    from services.generator.main import Generator, SetupError, build_engine
+    from sparrow.config import load_config
+
+    dense_only = tmp_path / "dense.json"
+    Schedule(budgets=(48,), dense_layers=(0, 1, 2, 3)).save(dense_only)
+    engine = {"engine.kind": "reference", "engine.model_dir": str(TINY), "engine.kernel_backend": "torch"}
+    config = load_config(
+        GeneratorConfig, overrides={**engine, "engine.decode": "speculative", "schedule.initial": str(dense_only)}
+    )
+    built = build_engine(config)
+    assert (built.decode, built.speculative_tokens) == ("speculative", 6)
+    with pytest.raises(SetupError, match="schedule.initial: the engine refused it: decode speculative needs") as info:
+        Generator(config, engine=built)  # nothing is contacted before the start schedule is applied
+    assert "\n" not in str(info.value)
