@@ -6,15 +6,17 @@ draft is accepted a bonus token is drawn from p at the next position. Every emit
 distributed exactly as p, whatever q is. The acceptance probability of one draft is
 sum_x min(p(x), q(x)): the project's alpha (`sparrow.acceptance`), here computed from full distributions.
 
-Torch math only (no engine, no I/O), so that the reference engine, a future vLLM path and the cost
-model share one rule.
+Torch math only (no engine, no I/O; torch imported where tensors are made), so that the reference
+engine, a future vLLM path and the cost model share one rule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where tensors are made: the cost model needs none
+    import torch
 
 MIN_DRAFTS = 1
 MAX_DRAFTS = 16
@@ -37,6 +39,8 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """
     if top_p >= 1.0:
         return probs
+    import torch
+
     sorted_p, order = probs.sort(dim=-1, descending=True)
     keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
     mask = torch.zeros_like(keep).scatter(-1, order, keep)
@@ -60,6 +64,8 @@ def verify_drafts(
 
     p[:, j] and q[:, j] are the distributions of draft j; p[:, k] is the bonus position's.
     """
+    import torch
+
     b, k = drafts.shape
     rows = torch.arange(b, device=drafts.device)
     p_draft = p[:, :k].gather(-1, drafts[..., None])[..., 0]
