@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from sparrow.hardware import Hardware
 from sparrow.models import ModelSpec
 from sparrow.schedule import PAGE_SIZE, Schedule
+from sparrow.speculative import expected_tokens
 
 
 @dataclass(frozen=True)
@@ -208,3 +209,30 @@ def predict(
         dense_layers_priced=dense_layers,
         mean_kept_tokens=mean_kept_tokens(schedule, prompt_len, gen_len),
     )
+
+
+@dataclass(frozen=True)
+class SpeculativePrediction:
+    """Predicted cost of lossless (self-speculative) rollouts: k sparse drafts and one dense verify per cycle."""
+
+    speculative_tokens: int  # k
+    alpha: float  # acceptance of one draft, assumed i.i.d.
+    tokens_per_cycle: float  # (1 - a^(k+1)) / (1 - a)
+    verify: CostTerms  # a dense step over k + 1 query positions, summed over the generated positions
+    cost: CostTerms  # of the whole rollout
+    speedup: float  # dense eFLOPs over these
+
+
+def predict_speculative(prediction: CostPrediction, k: int, alpha: float) -> SpeculativePrediction:
+    """Speculative decoding priced with the same model: per emitted token, (k sparse steps + one verify) / E.
+
+    E = (1 - alpha^(k+1)) / (1 - alpha) tokens per cycle. A sparse step costs what the schedule's
+    sparse decode costs at that position; the verify is a dense step over k + 1 query positions: its
+    compute (weights and attention FLOPs) k + 1 times a dense step's, its KV read once. Both summed over
+    the generated positions, like the costs they come from; drafts past a rejection are priced as paid.
+    """
+    e = expected_tokens(alpha, k)
+    d, s = prediction.dense, prediction.sparse
+    verify = CostTerms((k + 1) * d.compute, d.memory)
+    cost = CostTerms((k * s.compute + verify.compute) / e, (k * s.memory + verify.memory) / e)
+    return SpeculativePrediction(k, alpha, e, verify, cost, d.total / cost.total)

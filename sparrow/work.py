@@ -25,6 +25,8 @@ GROUP_FIELD = "group"
 
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_SAMPLES = 1024
+# The decode modes a group may ask for by name (a dense group sets `dense` instead).
+GROUP_DECODE_MODES = ("sparse", "speculative")
 MAX_STOP_TOKENS = 64
 
 
@@ -52,6 +54,9 @@ class PromptGroup:
     samples decode with dense attention whatever the generator's schedule (evaluation rounds), beside
     the others in its batch. `evaluation`: a held-out group the trainer scores and never trains; none of
     its samples is a probe (an eval round under the current schedule measures that schedule, not a probe's).
+    `decode`: how the group asks to be decoded, "sparse" or "speculative" (`GROUP_DECODE_MODES`); empty:
+    the generator's own `engine.decode`. An engine that cannot serve the mode refuses the group (dead-lettered
+    with the reason); dense groups say so with `dense`, which wins over `decode`.
     """
 
     group_id: str
@@ -64,6 +69,7 @@ class PromptGroup:
     prompt_text: str = ""
     dense: bool = False
     evaluation: bool = False
+    decode: str = ""
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -72,6 +78,8 @@ class PromptGroup:
             del d["dense"]
         if not self.evaluation:
             del d["evaluation"]
+        if not self.decode:
+            del d["decode"]
         return json.dumps(d, separators=(",", ":"))
 
     def to_fields(self) -> dict[str, str]:
@@ -116,6 +124,7 @@ class PromptGroup:
             "prompt_text",
             "dense",
             "evaluation",
+            "decode",
         }
         unknown = set(d) - known
         if unknown:
@@ -149,6 +158,9 @@ class PromptGroup:
         evaluation = d.get("evaluation", False)
         if not isinstance(evaluation, bool):
             raise WorkItemError(f"group {gid}: evaluation must be true or false")
+        decode = d.get("decode", "")
+        if decode not in ("", *GROUP_DECODE_MODES):
+            raise WorkItemError(f"group {gid}: decode must be one of {', '.join(GROUP_DECODE_MODES)} (or absent)")
         return cls(
             group_id=gid,
             prompt_token_ids=tuple(ids),
@@ -160,6 +172,7 @@ class PromptGroup:
             prompt_text=text,
             dense=dense,
             evaluation=evaluation,
+            decode=decode,
         )
 
 

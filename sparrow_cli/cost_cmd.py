@@ -21,13 +21,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="price the schedule's dense layers as dense (the paper prices every layer as sparse)",
     )
+    p.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=0,
+        help="also predict lossless speculative decoding with k sparse drafts per dense verify (1..16)",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help="speculative: acceptance of one draft, sum min(p, q) (the generator's sparrow_generator_draft_alpha)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the prediction."""
-    from sparrow.cost import predict
+    from sparrow.cost import predict, predict_speculative
     from sparrow.hardware import HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
     from sparrow.presets import resolve_schedule
@@ -40,6 +52,13 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise CliError(f"{flag} must be >= {least}, got {value}")
+    k, alpha = args.speculative_tokens, args.alpha
+    if (alpha is None) != (k == 0):
+        raise CliError("--speculative-tokens and --alpha go together (the speculative prediction needs both)")
+    if k and not 1 <= k <= 16:
+        raise CliError(f"--speculative-tokens must be in [1, 16], got {k}")
+    if alpha is not None and not 0.0 <= alpha <= 1.0:
+        raise CliError(f"--alpha must be in [0, 1], got {alpha}")
     try:
         model = resolve_model(args.model)
         schedule = resolve_schedule(args.schedule)
@@ -49,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except (ModelSpecError, ScheduleError, HardwareError) as exc:
         raise CliError(str(exc)) from None
+    spec = predict_speculative(result, k, alpha) if k else None
 
     if args.json:
         from sparrow_cli.output import emit_json
@@ -76,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                 },
                 "mean_kept_tokens": result.mean_kept_tokens,
                 "speedup": result.speedup,
+                **({"speculative": _speculative_json(spec)} if spec else {}),
             }
         )
         return 0
@@ -96,4 +117,23 @@ def run(args: argparse.Namespace) -> int:
     ]
     print(table(rows, ["", "compute eFLOPs", "memory eFLOPs", "total eFLOPs"]))
     print(f"predicted speedup {result.speedup:.2f}x")
+    if spec:
+        print(
+            f"speculative (lossless), k {spec.speculative_tokens}, alpha {spec.alpha:g}: "
+            f"{spec.tokens_per_cycle:.2f} tokens per cycle of {k} sparse steps + 1 dense verify, "
+            f"total {spec.cost.total:.3e} eFLOPs, predicted speedup {spec.speedup:.2f}x"
+        )
     return 0
+
+
+def _speculative_json(spec) -> dict:
+    return {
+        "speculative_tokens": spec.speculative_tokens,
+        "alpha": spec.alpha,
+        "tokens_per_cycle": spec.tokens_per_cycle,
+        "verify": {"compute": spec.verify.compute, "memory": spec.verify.memory, "total": spec.verify.total},
+        "compute": spec.cost.compute,
+        "memory": spec.cost.memory,
+        "total": spec.cost.total,
+        "speedup": spec.speedup,
+    }

@@ -59,6 +59,7 @@ class PagedDecodeCache:
         self.backend = backend
         self.dense_layers = frozenset(schedule.dense_layers) if schedule is not None else frozenset()
         self.prefill = True
+        self.verify_starts: torch.Tensor | None = None
         self.prompt_lens = prompt_lens.to(param.device)
         self.seq_lens = self.prompt_lens.clone()
         self.budgets = torch.full_like(self.seq_lens, every_page)
@@ -66,9 +67,19 @@ class PagedDecodeCache:
     def start_step(self, seq_lens: torch.Tensor) -> None:
         """Enter decode step whose rows hold `seq_lens` tokens once the new token is written (its KV length)."""
         self.prefill = False
+        self.verify_starts = None
         self.seq_lens = seq_lens.to(self.seq_lens.device)
         if self.schedule is not None:
             self.budgets = self.schedule.budget_pages(self.seq_lens)
+
+    def start_verify(self, starts: torch.Tensor) -> None:
+        """Enter a dense pass over several new tokens per row, written from position `starts` (per row) on.
+
+        Speculative decoding's verify: the tokens overwrite whatever the draft steps left in those slots,
+        every layer attends densely and causally, and the row's KV length becomes start + tokens.
+        """
+        self.prefill = False
+        self.verify_starts = starts.to(self.seq_lens.device).long()
 
     def attention(
         self,
@@ -93,6 +104,8 @@ class PagedDecodeCache:
                 query, key, value, is_causal=True, scale=scaling, enable_gqa=True
             )
             return out.transpose(1, 2).contiguous()
+        if self.verify_starts is not None:
+            return self._verify(k_cache, v_cache, cents, query, key, value, scaling)
         if query.shape[2] != 1:
             raise ValueError(f"a decode step takes one token per sequence, got {query.shape[2]}")
         rows = torch.arange(query.shape[0], device=query.device)
@@ -120,6 +133,29 @@ class PagedDecodeCache:
                 backend=self.backend,
             )
         return out[:, None]
+
+    def _verify(self, k_cache, v_cache, cents, query, key, value, scaling) -> torch.Tensor:
+        from kernels import update_centroids
+
+        b, _, t, _ = query.shape
+        starts = self.verify_starts
+        pos = starts[:, None] + torch.arange(t, device=query.device)[None, :]  # [b, t]
+        rows = torch.arange(b, device=query.device)[:, None]
+        k_cache[rows, :, pos] = key.transpose(1, 2)
+        v_cache[rows, :, pos] = value.transpose(1, 2)
+        self.seq_lens = starts + t
+        update_centroids(k_cache, cents, self.block_table, self.seq_lens, starts, backend=self.backend)
+        width = int(self.seq_lens.max())
+        visible = torch.arange(width, device=query.device)[None, None, :] <= pos[:, :, None]  # [b, t, width]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            k_cache[:, :, :width],
+            v_cache[:, :, :width],
+            attn_mask=visible[:, None],
+            scale=scaling,
+            enable_gqa=True,
+        )
+        return out.transpose(1, 2).contiguous()
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from services.common.sections import GrpcSecurityConfig, RedisConfig
 from sparrow.config import ConfigSection, SparrowConfig
+from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
 from sparrow.work import DEAD_LETTER_STREAM, GENERATOR_GROUP, PROMPTS_STREAM
 
 
@@ -124,6 +125,35 @@ class EngineConfig(ConfigSection):
     kernel_backend: Literal["auto", "torch", "cpu", "triton"] = Field(
         "auto", description="Reference engine only: which sparse-attention kernels run (see kernels.backend)."
     )
+    decode: Literal["sparse", "speculative", "dense"] = Field(
+        "sparse",
+        description=(
+            "How decode attends: sparse (the schedule's block-sparse budgets; fast, lossy), speculative (sparse "
+            "drafts verified by one dense pass with exact rejection sampling: every token is the dense policy's; "
+            "reference engine only for now), dense (every page, the schedule ignored; reference engine only: "
+            "vLLM decodes densely without a schedule). Groups marked dense decode densely in every mode."
+        ),
+    )
+    speculative_tokens: int = Field(
+        6,
+        ge=MIN_DRAFTS,
+        le=MAX_DRAFTS,
+        description="decode speculative: draft tokens per cycle (k); each cycle emits 1 to k + 1 tokens.",
+    )
+
+    @model_validator(mode="after")
+    def _check_decode(self) -> EngineConfig:
+        if self.decode == "speculative" and self.kind == "vllm":
+            raise ValueError(
+                "engine.decode speculative runs on the reference engine only (engine.kind = 'reference'); "
+                "the vLLM plugin's speculative path is not built yet"
+            )
+        if self.decode == "dense" and self.kind == "vllm":
+            raise ValueError(
+                "engine.decode dense is a reference-engine mode; a vLLM generator decodes densely without a "
+                "schedule (schedule.initial empty, schedule.follow_redis false: what sparrow up --dense sets)"
+            )
+        return self
 
 
 class ScheduleConfig(ConfigSection):

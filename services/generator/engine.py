@@ -58,6 +58,16 @@ class FinishedSample:
     queue_seconds: float = 0.0
     generate_seconds: float = 0.0
     probe: bool = False  # started as a probe sequence: its budgets were the probe's while one applied
+    # Speculative decoding (0 and empty otherwise): drafts per cycle (k), drafts made while the sample ran and
+    # those the dense verify accepted, and per drafted position (cycle by cycle, k each, drafts past the
+    # sample's end included) sum_x min(p, q) of its dense and draft distributions, whether it was accepted,
+    # and the KV length of the draft step that made it.
+    speculative_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_alphas: list[float] = field(default_factory=list)
+    draft_accepted: list[bool] = field(default_factory=list)
+    draft_kv_lens: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
 

@@ -41,7 +41,15 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
 
         try:
             return ReferenceEngine(
-                e.model_dir, e.device, e.kernel_backend, e.seed, e.max_model_len, e.max_lora_rank, e.policy_version
+                e.model_dir,
+                e.device,
+                e.kernel_backend,
+                e.seed,
+                e.max_model_len,
+                e.max_lora_rank,
+                e.policy_version,
+                decode=e.decode,
+                speculative_tokens=e.speculative_tokens,
             )
         except EngineError as exc:
             raise SetupError(str(exc)) from None

@@ -12,12 +12,16 @@ decode attention actually read in that bin.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from sparrow import metrics_contract as mc
 from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
+
+if TYPE_CHECKING:
+    from services.generator.engine import FinishedSample
 
 SWAP_KINDS = ("policy", "adapter", "schedule", "probe")
 SWAP_OUTCOMES = ("ok", "refused")
@@ -29,7 +33,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 
 class GeneratorMetrics:
-    """Tokens by attention mode, attended KV per bin, queue, in-flight, versions, swaps, outcomes, step time."""
+    """Tokens by attention mode, attended KV per bin, speculation per bin, queue, in-flight, versions, swaps,
+    outcomes, step time."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -95,6 +100,32 @@ class GeneratorMetrics:
         self.probe_sequences = Counter(
             "sparrow_generator_probe_sequences", "Finished sequences generated at probe budgets.", registry=r
         )
+        self.draft_tokens = Counter(
+            "sparrow_generator_draft_tokens",
+            "Speculative decoding: tokens the sparse draft proposed, per context-length bin of the draft step.",
+            b,
+            registry=r,
+        )
+        self.accepted_draft_tokens = Counter(
+            "sparrow_generator_accepted_draft_tokens",
+            "Speculative decoding: drafts the dense verify accepted, per bin (over draft_tokens: the acceptance rate).",
+            b,
+            registry=r,
+        )
+        self.speculative_cycles = Counter(
+            "sparrow_generator_speculative_cycles",
+            "Speculative decoding: draft-and-verify cycles, per bin of their first draft (accepted drafts over "
+            "cycles: the mean accepted length; each cycle also emits one token of the verify).",
+            b,
+            registry=r,
+        )
+        self.draft_alpha = Histogram(
+            "sparrow_generator_draft_alpha",
+            "Speculative decoding: sum_x min(p, q) of the dense and draft distributions at each drafted position.",
+            b,
+            buckets=mc.ALPHA_BUCKETS,
+            registry=r,
+        )
         self.step_seconds = Histogram(
             "sparrow_generator_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
         )
@@ -153,6 +184,30 @@ class GeneratorMetrics:
             label = {mc.BIN_LABEL: mc.bin_label(int(i))}
             self.attended_kv.labels(**label).inc(int(attended[mask].sum()))
             self.context_kv.labels(**label).inc(int(context[mask].sum()))
+
+    def record_speculation(self, sample: FinishedSample) -> None:
+        """Count a speculatively decoded sample's drafts, accepted drafts and cycles, and observe alpha, per bin."""
+        k = sample.speculative_tokens
+        if not k or not sample.draft_kv_lens:
+            return
+        kv = np.asarray(sample.draft_kv_lens, dtype=np.int64)
+        accepted = np.asarray(sample.draft_accepted, dtype=bool)
+        with self._lock:
+            width, num_bins = self._bin_width, self._num_bins
+        bins = kv // width
+        if num_bins is not None:
+            bins = np.minimum(bins, num_bins - 1)
+        starts = np.zeros(len(kv), dtype=bool)
+        starts[::k] = True
+        for i in np.unique(bins).tolist():
+            mask = bins == i
+            label = {mc.BIN_LABEL: mc.bin_label(int(i))}
+            self.draft_tokens.labels(**label).inc(int(mask.sum()))
+            self.accepted_draft_tokens.labels(**label).inc(int((accepted & mask).sum()))
+            self.speculative_cycles.labels(**label).inc(int((starts & mask).sum()))
+            histogram = self.draft_alpha.labels(**label)
+            for a in np.asarray(sample.draft_alphas)[mask].tolist():
+                histogram.observe(a)
 
     def show_versions(self, policy: int, adapter: int) -> None:
         """The policy and adapter versions being served."""

@@ -9,6 +9,12 @@ budget of every position (0 where attention was dense: the first token, which co
 dense prefill, and any step whose budget covered its whole context), loads new
 policy weights in place and peft LoRA adapters (injected by peft, one adapter name per version;
 a refused adapter leaves the previous one serving).
+
+`decode` (`DECODE_MODES`, per engine; a group may ask for its own, `PromptGroup.decode`): sparse is the
+above; dense ignores the schedule; speculative drafts through the block-sparse path and verifies
+densely (`speculative_decode`), so every token is the dense policy's and reports budget 0. A
+speculative group with no schedule in force decodes densely (there is nothing to draft with), and
+none of its samples is a probe (a probe measures a lossy budget's tail, which a lossless sample lacks).
 """
 
 from __future__ import annotations
@@ -28,14 +34,20 @@ from services.generator.engine import (
     FinishedSample,
     RolloutEngine,
 )
+from services.generator.speculative_decode import DecodedRow, SpeculativeDecoder
 from sparrow.budget import in_pages, page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.prompts import stop_token_ids
 from sparrow.schedule import Schedule
+from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
 from sparrow.work import PromptGroup
 from trainer import sparse_attention
 from trainer.reference_generate import PagedDecodeCache
 from trainer.scoring import scaled_logprobs
+
+# How decode attends: sparse (lossy, the schedule's budgets), speculative (sparse drafts verified
+# densely: lossless), dense (every page, the schedule ignored).
+DECODE_MODES = ("sparse", "speculative", "dense")
 
 _PEFT_PREFIX = "base_model.model."
 
@@ -52,8 +64,15 @@ class ReferenceEngine(RolloutEngine):
         max_model_len: int = 4096,
         max_lora_rank: int = 64,
         policy_version: int = 0,
+        decode: str = "sparse",
+        speculative_tokens: int = 6,
     ) -> None:
         from trainer.model_io import ModelLoadError, load_model
+
+        if decode not in DECODE_MODES:
+            raise EngineError(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        if not MIN_DRAFTS <= speculative_tokens <= MAX_DRAFTS:
+            raise EngineError(f"speculative_tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {speculative_tokens}")
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,7 +84,10 @@ class ReferenceEngine(RolloutEngine):
         self.backend = kernel_backend
         self.max_model_len = max_model_len
         self.max_lora_rank = max_lora_rank
+        self.decode = decode
+        self.speculative_tokens = speculative_tokens
         cfg = self.model.config
+        self.num_layers = cfg.num_hidden_layers
         self.vocab_size = cfg.vocab_size
         # config.json's eos and generation_config.json's (Qwen3 lists two there, one in config.json)
         self.eos_ids = list(stop_token_ids(None, model_dir))
@@ -88,7 +110,16 @@ class ReferenceEngine(RolloutEngine):
             raise EngineError(f"prompt token id {top} is outside the model's vocabulary of {self.vocab_size}")
         if any(g.group_id == group.group_id for g, _ in self._queue):
             raise EngineError(f"group {group.group_id} is already in the batch")
+        if self._mode(group) == "speculative" and self._adapter is not None:
+            raise EngineError(
+                f"group {group.group_id} asks for speculative decoding, which does not take the DistillSparse "
+                f"adapter this engine serves (adapter v{self._versions.adapter_version})"
+            )
         self._queue.append((group, time.monotonic()))
+
+    def _mode(self, group: PromptGroup) -> str:
+        """How `group` decodes: dense groups densely, otherwise the mode it asks for or the engine's."""
+        return "dense" if group.dense else group.decode or self.decode
 
     def step(self) -> list[FinishedSample]:
         if not self._queue:
@@ -112,23 +143,33 @@ class ReferenceEngine(RolloutEngine):
         max_new = min(s.max_new_tokens, self.max_model_len - plen)
         schedule, versions = self._schedule, self._versions
         plan = self.probe_plan
-        if group.dense:  # evaluation: dense attention whatever the schedule, and never a probe
+        mode = self._mode(group)
+        if mode == "dense":  # dense attention whatever the schedule, and never a probe
             schedule, plan = None, None
         if group.evaluation:  # evaluation under the schedule: that schedule's samples, never a probe's
+            plan = None
+        if mode == "speculative":  # a probe measures a lossy budget's tail; a lossless sample has none to show
             plan = None
         # Which of the group's samples are probes: decoded at the plan's budgets (fixed for the group:
         # this engine takes a new probe or schedule between groups).
         probing = torch.tensor(
             [plan is not None and self._probe_share.take(plan.share) for _ in range(n)], device=self.device
         )
+        speculate = mode == "speculative" and schedule is not None
         lens = torch.full((n,), plen, dtype=torch.long, device=self.device)
-        cache = PagedDecodeCache(self.model, lens, plen + max_new, schedule, self.backend)
+        # Speculation drafts up to k slots past the last token it may emit.
+        capacity = plen + max_new + (self.speculative_tokens + 1 if speculate else 0)
+        cache = PagedDecodeCache(self.model, lens, capacity, schedule, self.backend)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)[None].expand(n, plen)
         positions = torch.arange(plen, device=self.device)[None].expand(n, plen)
         logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache).logits[:, -1]
-        rows = [_Row() for _ in range(n)]
         stops = list(dict.fromkeys([*self.eos_ids, *s.stop_token_ids]))
         eos = torch.tensor(stops, dtype=torch.long, device=self.device)
+        if speculate:
+            decoder = SpeculativeDecoder(self.model, cache, s, self.speculative_tokens, max_new, eos, self._rng)
+            rows = decoder.run(logits, lens)
+            return self._finished(group, rows, stops, versions, probing, submitted, start)
+        rows = [DecodedRow() for _ in range(n)]
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         budgets = torch.zeros(n, dtype=torch.long, device=self.device)  # the first token: dense prefill
         for step in range(max_new):
@@ -137,7 +178,9 @@ class ReferenceEngine(RolloutEngine):
             sampled = logprobs.gather(-1, nxt[:, None])[:, 0]
             top = torch.topk(logprobs, min(s.top_logprobs, logprobs.shape[-1]), dim=-1)
             for i in (~done).nonzero()[:, 0].tolist():
-                rows[i].add(int(nxt[i]), float(sampled[i]), top, i, int(budgets[i]))
+                rows[i].add(
+                    int(nxt[i]), float(sampled[i]), top.indices[i].tolist(), top.values[i].tolist(), int(budgets[i])
+                )
             done |= torch.isin(nxt, eos)
             if bool(done.all()) or step == max_new - 1:
                 break
@@ -151,7 +194,11 @@ class ReferenceEngine(RolloutEngine):
                 input_ids=nxt[:, None], position_ids=(lens - 1)[:, None], use_cache=False, sparrow_cache=cache
             )
             logits = out.logits[:, 0]
+        return self._finished(group, rows, stops, versions, probing, submitted, start)
+
+    def _finished(self, group, rows, stops, versions, probing, submitted: float, start: float) -> list[FinishedSample]:
         elapsed = time.monotonic() - start
+        prompt = list(group.prompt_token_ids)
         return [
             FinishedSample(
                 group_id=group.group_id,
@@ -167,6 +214,12 @@ class ReferenceEngine(RolloutEngine):
                 queue_seconds=start - submitted,
                 generate_seconds=elapsed,
                 probe=bool(probing[i]),
+                speculative_tokens=self.speculative_tokens if r.drafted else 0,
+                drafted_tokens=r.drafted,
+                accepted_tokens=r.accepted,
+                draft_alphas=r.alphas,
+                draft_accepted=r.draft_accepted,
+                draft_kv_lens=r.alpha_kv_lens,
             )
             for i, r in enumerate(rows)
         ]
@@ -186,10 +239,18 @@ class ReferenceEngine(RolloutEngine):
     def set_schedule(self, schedule: Schedule | None) -> None:
         if schedule is not None and (mismatch := page_mismatch(schedule.page_size)):
             raise EngineError(mismatch)
+        if schedule is not None and self.decode == "speculative" and not self._sparse_layers(schedule):
+            raise EngineError(
+                f"decode speculative needs a schedule with a sparse layer; schedule v{schedule.version} keeps all "
+                f"{self.num_layers} layers dense, so its drafts would be the dense pass itself"
+            )
         self._schedule = schedule
         self._versions = EngineVersions(
             self._versions.policy_version, self._versions.adapter_version, schedule.version if schedule else 0
         )
+
+    def _sparse_layers(self, schedule: Schedule) -> list[int]:
+        return [layer for layer in range(self.num_layers) if layer not in schedule.dense_layers]
 
     def set_probe(self, probe: Probe | None) -> None:
         if probe is not None:
@@ -234,6 +295,12 @@ class ReferenceEngine(RolloutEngine):
     def load_adapter(self, folder: Path, version: int) -> None:
         from peft import LoraConfig, inject_adapter_in_model, load_peft_weights, set_peft_model_state_dict
 
+        if self.decode == "speculative":
+            # The adapter belongs to the sparse actor; the verify would apply it to the dense pass too.
+            raise EngineError(
+                f"adapter v{version}: decode speculative does not take DistillSparse adapters yet (they would "
+                "change the dense verify too)"
+            )
         try:
             config = LoraConfig.from_pretrained(str(folder))
             weights = load_peft_weights(str(folder), device=str(self.device))
@@ -322,21 +389,3 @@ class ReferenceEngine(RolloutEngine):
     def close(self) -> None:
         self._queue.clear()
         self.model = None
-
-
-class _Row:
-    """What one sample accumulates, position by position."""
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_ids: list[list[int]] = []
-        self.top_logprobs: list[list[float]] = []
-        self.budgets: list[int] = []
-
-    def add(self, token: int, logprob: float, top, i: int, budget: int) -> None:
-        self.tokens.append(token)
-        self.logprobs.append(logprob)
-        self.top_ids.append(top.indices[i].tolist())
-        self.top_logprobs.append(top.values[i].tolist())
-        self.budgets.append(budget)

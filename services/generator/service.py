@@ -318,6 +318,7 @@ class GeneratorService:
             return
         g.finished += 1
         self.metrics.record_tokens(len(sample.prompt_token_ids), sample.kv_budgets, probe=sample.probe)
+        self.metrics.record_speculation(sample)
         trajectory = to_trajectory(sample, g.claimed.group.attempt, self.generator_id)
         entry, index = g.claimed.entry_id, sample.sample_index
         future = self.stream.send(trajectory)

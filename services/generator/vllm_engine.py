@@ -263,6 +263,11 @@ class VllmEngine(RolloutEngine):
             raise EngineError(f"group {group.group_id}: n must be at least 1, got {group.n}")
         if group.dense and not self._dense_rows:
             raise EngineError(f"group {group.group_id}: this engine's attention layers cannot decode a group densely")
+        if group.decode == "speculative" and not group.dense:
+            raise EngineError(
+                f"group {group.group_id}: the vLLM engine cannot decode speculatively yet (the plugin's speculative "
+                "path is not built); the reference engine can"
+            )
         if len(group.prompt_token_ids) + s.max_new_tokens > self.config.max_model_len:
             raise EngineError(
                 f"group {group.group_id}: prompt ({len(group.prompt_token_ids)}) + max_new_tokens ({s.max_new_tokens}) "

@@ -194,6 +194,11 @@ def resolve(
     )
     if trainer.distill.enabled:
         for g in generators:
+            if g.engine.decode == "speculative":
+                raise ConfigError(
+                    "trainer.distill.enabled trains a sparse-actor adapter, which generator.engine.decode "
+                    "speculative cannot take yet (it would change the dense verify too); drop one of them"
+                )
             if g.engine.kind == "vllm" and not g.engine.enable_lora:
                 raise ConfigError(
                     "trainer.distill.enabled trains adapters for the generators, but generator.engine.enable_lora "

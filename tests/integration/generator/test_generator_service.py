@@ -246,3 +246,19 @@ def test_a_drain_with_redis_hung_tries_redis_once_not_once_per_group(start, trai
         client.close()
     tries = [r for r in caplog.records if r.getMessage().startswith("cannot hand back")]
     assert len(tries) == 1 and "and 3 more stay pending" in tries[0].getMessage()
+
+
+def test_a_speculative_generator_sends_dense_tokens_and_exports_its_acceptance_per_bin(start, trainer, tmp_path):
+    schedule = tmp_path / "aggressive.json"
+    Schedule(budgets=(48, 64), bin_width=64, dense_layers=(), version=2).save(schedule)
+    h = start(**{"engine.decode": "speculative", "schedule.initial": str(schedule), "schedule.follow_redis": False})
+    h.enqueue(group("s", n=2, max_new_tokens=40, pairs=16))
+    h.wait_settled({"s": 2})
+    for t in trainer.of_group("s"):
+        assert list(t.kv_budgets) == [0] * len(t.token_ids) and len(t.token_ids) > 1
+    drafted = sum(h.metric("sparrow_generator_draft_tokens_total", bin=b) for b in ("0", "1"))
+    accepted = sum(h.metric("sparrow_generator_accepted_draft_tokens_total", bin=b) for b in ("0", "1"))
+    cycles = sum(h.metric("sparrow_generator_speculative_cycles_total", bin=b) for b in ("0", "1"))
+    assert drafted == 6 * cycles > 0 and 0 < accepted <= drafted
+    assert h.metric("sparrow_generator_draft_alpha_count", bin="0") > 0
+    assert h.metric("sparrow_generator_tokens_total", mode="sparse") == 0

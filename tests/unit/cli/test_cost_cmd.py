@@ -96,3 +96,26 @@ def test_cost_with_a_model_config_nested_too_deeply(tmp_path):
     r = sparrow("cost", "--model", path, "--schedule", "qwen3-4b-0.86")
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "malformed JSON" in r.stderr
+
+
+def test_cost_predicts_speculative_decoding_from_k_and_alpha():
+    from sparrow.cost import predict, predict_speculative
+    from sparrow.hardware import get_hardware
+    from sparrow.models import get_model
+    from sparrow.presets import get_preset
+
+    r = sparrow(*BASE, "--speculative-tokens", "6", "--alpha", "0.97")
+    assert r.returncode == 0, r.stderr
+    assert "6.40 tokens per cycle of 6 sparse steps + 1 dense verify" in r.stdout
+    data = json.loads(sparrow(*BASE, "--speculative-tokens", "6", "--alpha", "0.97", "--json").stdout)
+    base = predict(get_model("qwen3-4b"), get_preset("qwen3-4b-0.86"), get_hardware("h200"), 512, 32768, 8)
+    assert data["speculative"]["speedup"] == pytest.approx(predict_speculative(base, 6, 0.97).speedup)
+    assert "speculative" not in json.loads(sparrow(*BASE, "--json").stdout)
+    for bad, fragment in (
+        (["--alpha", "0.9"], "go together"),
+        (["--speculative-tokens", "17", "--alpha", "0.9"], "--speculative-tokens must be in [1, 16]"),
+        (["--speculative-tokens", "4", "--alpha", "1.5"], "--alpha must be in [0, 1]"),
+    ):
+        r = sparrow(*BASE, *bad)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr

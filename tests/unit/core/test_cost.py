@@ -95,3 +95,21 @@ def test_predict_rejects_bad_lengths():
         predict(m, s, hw, 512, 0, 8)
     with pytest.raises(ValueError, match="samples"):
         predict(m, s, hw, 512, 10, 0)
+
+
+def test_speculative_cost_is_k_sparse_steps_and_one_wide_dense_verify_per_expected_cycle():
+    from sparrow.cost import predict_speculative
+
+    base = predict(get_model("qwen3-1.7b"), get_preset("qwen3-1.7b-0.86"), get_hardware("h200"), 512, 32768, 8)
+    spec = predict_speculative(base, 6, 0.97)
+    e = (1 - 0.97**7) / 0.03
+    assert spec.tokens_per_cycle == pytest.approx(e)
+    d, s = base.dense, base.sparse
+    assert spec.verify.compute == pytest.approx(7 * d.compute) and spec.verify.memory == pytest.approx(d.memory)
+    assert spec.cost.total == pytest.approx((6 * s.total + 7 * d.compute + d.memory) / e)
+    assert spec.speedup == pytest.approx(d.total / spec.cost.total)
+    assert 1.0 < spec.speedup < base.speedup  # lossless costs some of the lossy speedup
+    # Every draft accepted: k + 1 tokens per cycle; none: one token per k sparse steps and a verify, a slowdown.
+    assert predict_speculative(base, 6, 1.0).tokens_per_cycle == 7
+    assert predict_speculative(base, 6, 0.0).speedup < 1.0
+    assert predict_speculative(base, 2, 0.99).speedup < predict_speculative(base, 8, 0.99).speedup

@@ -105,3 +105,12 @@ def test_an_evaluation_group_round_trips_and_a_training_group_carries_no_evaluat
     assert "evaluation" not in json.loads(_group().to_json())
     with pytest.raises(WorkItemError, match="evaluation must be true or false"):
         PromptGroup.from_json(json.dumps({**json.loads(_group().to_json()), "evaluation": "yes"}))
+
+
+def test_a_group_asking_for_a_decode_mode_round_trips_and_others_carry_no_decode_field():
+    g = _group(decode="speculative")
+    assert json.loads(g.to_json())["decode"] == "speculative" and PromptGroup.from_json(g.to_json()) == g
+    assert "decode" not in json.loads(_group().to_json())
+    for bad in ("lossless", "dense", 1):
+        with pytest.raises(WorkItemError, match="decode must be one of sparse, speculative"):
+            PromptGroup.from_json(json.dumps({**json.loads(_group().to_json()), "decode": bad}))

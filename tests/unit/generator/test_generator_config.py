@@ -91,6 +91,11 @@ def test_weights_address_defaults_to_the_trainer_address():
         ({"metrics.port": 70000}, "metrics.port"),
         ({"queue.claim_idel_s": 1}, "unknown config key 'queue.claim_idel_s'"),
         ({"generator_id": ""}, "generator_id"),
+        ({"engine.kind": "reference", "engine.speculative_tokens": 17}, "engine.speculative_tokens"),
+        ({"engine.kind": "reference", "engine.speculative_tokens": 0}, "engine.speculative_tokens"),
+        ({"engine.decode": "speculative"}, "vLLM plugin's speculative path is not built yet"),
+        ({"engine.decode": "dense"}, "vLLM generator decodes densely without a schedule"),
+        ({"engine.kind": "reference", "engine.decode": "lossy"}, "engine.decode"),
     ],
 )
 def test_bad_values_are_one_line_errors(override, message):

@@ -1,5 +1,6 @@
 """The generator's metrics: exact names, sparse/dense token split, attended KV per bin, schedule gauges."""
 
+import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,3 +79,29 @@ def test_lengths_past_the_last_bin_count_in_it_and_dense_schedule_clears_budgets
     s = _samples(m)
     assert not any(name == "sparrow_generator_kv_budget_tokens" for name, _ in s)
     assert s[("sparrow_generator_schedule_version", ())] == 0
+
+
+def test_speculation_counts_drafts_accepted_drafts_cycles_and_alpha_per_bin():
+    from services.generator.engine import EngineVersions, FinishedSample
+
+    m = GeneratorMetrics()
+    m.show_schedule(Schedule(budgets=(48, 64), bin_width=60))
+    # k = 3: cycle 1 drafts at KV 57..59 (bin 0), keeps 2; cycle 2 at 60..62 (bin 1), keeps all 3.
+    sample = FinishedSample(
+        "g", 0, [1] * 56, [5] * 7, [0.0] * 7, [[5]] * 7, [[0.0]] * 7, [0] * 7, EngineVersions(), "length",
+        speculative_tokens=3, drafted_tokens=6, accepted_tokens=5,
+        draft_alphas=[0.999, 0.97, 0.4, 1.0, 0.995, 0.9], draft_accepted=[True, True, False, True, True, True],
+        draft_kv_lens=[57, 58, 59, 60, 61, 62],
+    )  # fmt: skip
+    m.record_speculation(sample)
+    m.record_speculation(FinishedSample("h", 0, [1], [5], [0.0], [[5]], [[0.0]], [0], EngineVersions(), "length"))
+    s = _samples(m)
+    for name, bin0, bin1 in (
+        ("sparrow_generator_draft_tokens_total", 3, 3),
+        ("sparrow_generator_accepted_draft_tokens_total", 2, 3),
+        ("sparrow_generator_speculative_cycles_total", 1, 1),
+        ("sparrow_generator_draft_alpha_count", 3, 3),
+    ):
+        assert (s[(name, (("bin", "0"),))], s[(name, (("bin", "1"),))]) == (bin0, bin1), name
+    assert s[("sparrow_generator_draft_alpha_sum", (("bin", "0"),))] == pytest.approx(0.999 + 0.97 + 0.4)
+    assert s[("sparrow_generator_draft_alpha_bucket", (("bin", "0"), ("le", "0.5")))] == 1

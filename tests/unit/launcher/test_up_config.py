@@ -93,6 +93,18 @@ def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):
             {"trainer": {"distill": {"enabled": True, "rank": 32}}, "generator": {"engine": {"max_lora_rank": 16}}},
             "max_lora_rank 16 is below trainer.distill.rank 32",
         ),
+        (
+            {
+                "engine": "reference",
+                "trainer": {"distill": {"enabled": True}},
+                "generator": {"engine": {"decode": "speculative"}},
+            },
+            "generator.engine.decode speculative cannot take yet",
+        ),
+        (
+            {"engine": "vllm", "generator": {"engine": {"decode": "speculative"}}},
+            "the vLLM plugin's speculative path is not built yet",
+        ),
         ({"generator": {"bogus": 1}}, "unknown config key 'generator.bogus'"),
         ({"trainer": {"steps": 3}}, "trainer.steps is set by sparrow up; use steps / --steps"),
         ({"generator": {"metrics": {"port": 9}}}, "use ports.generator_metrics"),
