@@ -134,3 +134,16 @@ PROBE_KEY = "sparrow:schedule:probe"
 def bin_label(index: int) -> str:
     """The value of the `bin` label for length bin `index` (its decimal index, "0", "1", ...)."""
     return str(index)
+
+
+# Where each process's wall time goes (sparrow/timing.py): counters of seconds by phase, label ``phase``.
+# The rates of one process's series add up to 1 (every second is charged to one phase, `other` included).
+PHASE_LABEL = "phase"
+TRAINER_PHASE_SECONDS = "sparrow_trainer_phase_seconds"  # exposed with the _total suffix
+GENERATOR_PHASE_SECONDS = "sparrow_generator_phase_seconds"  # exposed with the _total suffix
+# The trainer's phases of one RL step (docs/trainer.md says what each holds); the remainder is `other`.
+TRAINER_PHASES = ("wait_groups", "reward", "score", "exact_alpha", "update", "distill", "publish", "checkpoint")
+# The generator's: engine time by kind (a vLLM step is prefill or decode whole; sampling apart on the reference
+# engine only), loading policies and adapters, and waiting with nothing to generate; the remainder is `other`.
+GENERATOR_PHASES = ("prefill", "decode", "sampling", "weight_sync", "idle")
+TIMING_PREFIX = "timing/"  # steps.jsonl, metrics.jsonl and the trackers: "timing/<phase>" in seconds

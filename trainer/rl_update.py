@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,6 +30,7 @@ from trainer.grpo import GRPOConfig, global_token_count, grpo_tis_loss
 from trainer.scoring import Scorer, TokenScores, masked_logprobs
 
 if TYPE_CHECKING:
+    from sparrow.timing import PhaseTimer
     from trainer.exact_alpha import ExactAlpha
 
 
@@ -63,12 +65,15 @@ class Acceptance:
 @dataclass
 class PassTime:
     """Wall seconds the exact-alpha pass took: its sparse forwards, its side of each LM-head chunk (the sparse
-    logits and the float64 reduction, run inside the dense scoring) and collecting the values."""
+    logits and the float64 reduction, run inside the dense scoring) and collecting the values. With `phases`
+    the same calls are charged to its `exact_alpha` phase (out of the dense scoring they run inside)."""
 
     seconds: float = 0.0
+    phases: PhaseTimer | None = None
 
     def timed(self, call: Callable) -> Callable:
         """`call`, adding the time each call takes."""
+        call = self.phases.timed("exact_alpha", call) if self.phases is not None else call
 
         def run(*args):
             start = time.perf_counter()
@@ -221,6 +226,7 @@ def learn(
     advantages: torch.Tensor,
     config: UpdateConfig,
     exact: ExactAlpha | None = None,
+    phases: PhaseTimer | None = None,
 ) -> tuple[list[TokenScores], Acceptance, dict[str, float]]:
     """One step's learning on the whole batch, on one rank or many: dense scores, alpha and the update.
 
@@ -232,10 +238,40 @@ def learn(
     does not depend on the number of ranks. Returns this rank's dense scores (of its share, in
     order), the acceptance of the WHOLE batch in the batch's order (gathered from every rank), and
     the update's statistics over the whole batch.
+
+    With `phases` (sparrow.timing) the dense scoring and alpha go to its `score` phase, the exact pass to
+    `exact_alpha`, the update to `update`.
     """
     mine = distributed.share(rollouts)
     local = [rollouts[i] for i in mine]
-    timing = PassTime()
+    timing = PassTime(phases=phases)
+    with phases.phase("score") if phases is not None else nullcontext():
+        dense, placed = _score(scorer, local, mine, config, exact, timing)
+    order = range(len(rollouts))
+    whole = Acceptance(
+        alpha=torch.cat([placed[i][0] for i in order]) if rollouts else torch.zeros(0),
+        kv_lens=torch.cat([r.kv_lens() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
+        exact=(
+            (torch.cat([placed[i][1] for i in order]) if rollouts else torch.zeros(0, dtype=torch.float64))
+            if exact is not None
+            else None
+        ),
+        exact_seconds=timing.seconds,
+    )
+    with phases.phase("update") if phases is not None else nullcontext():
+        stats = grpo_update(model, optimizer, local, [d.logprobs for d in dense], advantages[mine], config)
+    return dense, whole, stats
+
+
+def _score(
+    scorer: Scorer,
+    local: Sequence[Rollout],
+    mine: Sequence[int],
+    config: UpdateConfig,
+    exact: ExactAlpha | None,
+    timing: PassTime,
+) -> tuple[list[TokenScores], dict[int, tuple[torch.Tensor, torch.Tensor | None]]]:
+    """`learn`'s dense scores of this rank's share, and every rank's alpha by batch index (bound, exact or None)."""
     if exact is not None:
         timing.timed(exact.begin_step)()
     dense, exact_rows = scores_and_exact(
@@ -248,19 +284,7 @@ def learn(
     placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for part in distributed.gather_objects(per_rollout):
         placed.update(part)
-    order = range(len(rollouts))
-    whole = Acceptance(
-        alpha=torch.cat([placed[i][0] for i in order]) if rollouts else torch.zeros(0),
-        kv_lens=torch.cat([r.kv_lens() for r in rollouts]) if rollouts else torch.zeros(0, dtype=torch.long),
-        exact=(
-            (torch.cat([placed[i][1] for i in order]) if rollouts else torch.zeros(0, dtype=torch.float64))
-            if exact is not None
-            else None
-        ),
-        exact_seconds=timing.seconds,
-    )
-    stats = grpo_update(model, optimizer, local, [d.logprobs for d in dense], advantages[mine], config)
-    return dense, whole, stats
+    return dense, placed
 
 
 def _clip(model: torch.nn.Module, max_norm: float) -> float:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from services.trainer.tail_metrics import TailMetrics
 from sparrow import metrics_contract as mc
+from sparrow.timing import OTHER
 
 ACK_STATUSES = ("accepted", "duplicate", "rejected")
 REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed", "unavailable")
@@ -46,6 +47,14 @@ class TrainerMetrics:
         self.step_seconds = Histogram(
             "sparrow_trainer_step_seconds", "Wall time of a training step.", buckets=STEP_BUCKETS, registry=r
         )
+        self.phase_seconds = Counter(
+            mc.TRAINER_PHASE_SECONDS,
+            "Seconds of the trainer's steps by phase (sparrow.timing); the phases of a step sum to its wall time.",
+            [mc.PHASE_LABEL],
+            registry=r,
+        )
+        for phase in (*mc.TRAINER_PHASES, OTHER):
+            self.phase_seconds.labels(**{mc.PHASE_LABEL: phase})
         self.world_size = Gauge(
             "sparrow_trainer_world_size", "Trainer processes (torch.distributed ranks) training each step.", registry=r
         )

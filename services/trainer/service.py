@@ -33,6 +33,8 @@ from services.trainer.ranks import CHECKPOINT, PUBLISH, STOP
 from services.trainer.store import TrajectoryStore, replace_text
 from services.trainer.validate import Limits
 from services.trainer.weights import POLICY, WeightStore, save_hf_policy
+from sparrow import metrics_contract as mc
+from sparrow.timing import PhaseTimer
 from sparrow.weight_delta import checkpoint_dtype
 
 if TYPE_CHECKING:
@@ -166,6 +168,7 @@ class TrainerService:
         ck = config.checkpoint
         self.pacing = CheckpointPacing(ck.every, ck.max_overhead, ck.max_interval_s)
         self._checkpoint_on_stop = True
+        self.phases = PhaseTimer(mc.TRAINER_PHASES)  # made anew by `run`, in the thread that trains
 
     def _step_rule(self):
         from services.trainer.distill_step import StepRule, fallback_rule, read_block_rule
@@ -253,9 +256,12 @@ class TrainerService:
     def run(self, stop: threading.Event) -> TrainState:
         """Serve and train until `config.steps` are done or `stop` is set; checkpoint and stop cleanly."""
         self.start_servers()
+        # Step 1's time runs from here; each later step's from the end of the one before (`train`).
+        self.phases = PhaseTimer(mc.TRAINER_PHASES)
         try:
             if self.state.step == 0:
-                self._wait_for_generators(stop)
+                with self.phases.phase("wait_groups"):
+                    self._wait_for_generators(stop)
             if self.state.step == 0 and self.evaluator.due(0, self.config.steps):
                 self.feeder.tick()  # the consumer group exists before the first round goes on the stream
                 self.evaluator.start(0, self.state.policy_version)
@@ -269,7 +275,8 @@ class TrainerService:
                     if time.monotonic() - last_told >= WAIT_LOG_S:
                         last_told = time.monotonic()
                         log.info("%s (for %.0f s)", self.waiting_for(), last_told - waiting_since)
-                    self.store.wait(self.config.poll_s)
+                    with self.phases.phase("wait_groups"):
+                        self.store.wait(self.config.poll_s)
                     continue
                 self.train(batch)
                 waiting_since = last_told = time.monotonic()
@@ -316,21 +323,29 @@ class TrainerService:
         self.ledger.take(batch)
         self.feeder.tick()  # top the queue up now, so generators keep busy while this step trains
         try:
-            report = self.runner.run(self.state.step + 1, self.state.policy_version, batch)
+            report = self.runner.run(self.state.step + 1, self.state.policy_version, batch, self.phases)
         except BaseException:
             self.ledger.release(batch)
             raise
         self.state.step += 1
         self.state.history.append(list(batch))
         self.ledger.finish(batch, TRAINED)
-        self.publish(self.state.policy_version + 1)
-        if self.distill is not None:  # trained against the policy just published
-            self.distill.publish(self.weights, self.state.policy_version, self.state.step)
+        with self.phases.phase("publish"):
+            self.publish(self.state.policy_version + 1)
+            if self.distill is not None:  # trained against the policy just published
+                self.distill.publish(self.weights, self.state.policy_version, self.state.step)
         if self.pacing.due(self.state.step):
-            self.checkpoint()
+            with self.phases.phase("checkpoint"):
+                self.checkpoint()
         if self.evaluator.due(self.state.step, self.config.steps):
             self.evaluator.start(self.state.step, self.state.policy_version)
         report.seconds = time.monotonic() - start
+        # The step ends here: what follows (writing its record) is the next step's `other`.
+        split = self.phases.take_ns()
+        report.timing = {name: ns / 1e9 for name, ns in split.items()}
+        report.wall_seconds = sum(split.values()) / 1e9
+        for name, seconds in report.timing.items():
+            self.metrics.phase_seconds.labels(**{mc.PHASE_LABEL: name}).inc(seconds)
         self.metrics.step_seconds.observe(report.seconds)
         self.metrics.steps.inc()
         self.metrics.last_step.set(time.time())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from trainer.scoring import Scorer
 if TYPE_CHECKING:
     from services.trainer.distill_step import DistillStep, StepRule
     from services.trainer.ranks import Leader
+    from sparrow.timing import PhaseTimer
 
 log = logging.getLogger("sparrow.trainer.step")
 
@@ -73,9 +75,21 @@ class StepReport:
     finished_stop: int = 0  # samples that ended at a stop id (an eos of the model or the config)
     finished_length: int = 0  # samples that ran to max_new_tokens
     finished_other: int = 0  # neither: a generator that stopped elsewhere (never expected)
+    # Where the step's wall time went (sparrow.timing): phase -> seconds, `other` included, summing to
+    # `wall_seconds`, the time from the end of the previous step (or the loop's start) to the end of this one.
+    timing: dict = field(default_factory=dict)
+    wall_seconds: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The record of steps.jsonl: the fields, with `timing` flat as `timing/<phase>` keys."""
+        out = asdict(self)
+        for name, seconds in out.pop("timing").items():
+            out[mc.TIMING_PREFIX + name] = seconds
+        return out
+
+
+def _untimed(_name: str) -> nullcontext:
+    return nullcontext()
 
 
 def _budgets(r: Rollout) -> torch.Tensor:
@@ -181,9 +195,13 @@ class StepRunner:
             f"{f' (samples stored {partial})' if partial else ''}; reward workers: {self.rewards.pool.describe()}"
         )
 
-    def run(self, step: int, policy_version: int, group_ids: list[str]) -> StepReport:
-        """Train on the groups (taken from the ledger by the caller); export and return the step's figures."""
+    def run(self, step: int, policy_version: int, group_ids: list[str], phases: PhaseTimer | None = None) -> StepReport:
+        """Train on the groups (taken from the ledger by the caller); export and return the step's figures.
+
+        With `phases` the step's time is charged to its `reward`, `score`, `exact_alpha`, `update` and
+        `distill` phases (sparrow.timing)."""
         start = time.monotonic()
+        timed = phases.phase if phases is not None else _untimed
         rollouts, rewards, advantages = [], [], []
         by_source: dict[str, list[float]] = {}
         extra: dict[str, dict[str, list[float]]] = {}
@@ -192,7 +210,8 @@ class StepRunner:
         for gid in group_ids:
             record = self.ledger.get(gid)
             samples = self.store.samples(gid)
-            results = self.rewards.group_scores(record, samples)
+            with timed("reward"):
+                results = self.rewards.group_scores(record, samples)
             group_rewards = [r.score for r in results]
             errors += sum(r.error is not None for r in results)
             for r in results:
@@ -216,8 +235,11 @@ class StepRunner:
             from services.trainer.ranks import TRAIN, TrainOrder
 
             self.leader.order(TRAIN, TrainOrder(rollouts, adv, step, rule))
-        _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, adv, self.update, self.exact)
-        distilled = self.distill.run(step, rollouts, adv) if self.distill is not None else {}
+        _, acc, stats = learn(self.model, self.optimizer, self.scorer, rollouts, adv, self.update, self.exact, phases)
+        distilled = {}
+        if self.distill is not None:
+            with timed("distill"):
+                distilled = self.distill.run(step, rollouts, adv)
         schedule_version = min(r.schedule_version for r in rollouts)
         tail = self.metrics.tail
         # Probe sequences ran at the controller's probe budgets: their tokens describe those budgets,

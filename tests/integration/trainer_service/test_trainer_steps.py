@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.common.grpc_server import GrpcSecurity, open_channel
 from services.trainer.config import TrainerServiceConfig
 from services.trainer.service import STEPS_FILE, TrainerService
+from sparrow import metrics_contract as mc
 from sparrow.config import load_config
 from sparrow.rewards import chain_reward
 from sparrow.tasks.vocab import BOS, EOS, VOCAB
@@ -154,6 +155,30 @@ def test_steps_reward_export_publish_and_advance_the_policy(tmp_path):
         assert name in metrics, name
     assert metrics["sparrow_trainer_trajectories_total{status=accepted}"] >= 16
     assert 0 <= metrics["sparrow_trainer_accuracy_ratio"] <= 1 and metrics["sparrow_trainer_response_length_tokens"] > 0
+    for step in steps[:2]:
+        split = _timing(step)
+        assert split["exact_alpha"] == 0.0 and split["distill"] == 0.0  # neither runs in this config
+    # Step 1 waited for the generator's first groups; every step scored, updated and published.
+    assert _timing(first)["wait_groups"] > 0
+    phase_total = sum(v for k, v in metrics.items() if k.startswith("sparrow_trainer_phase_seconds_total{"))
+    assert {k for k in metrics if k.startswith("sparrow_trainer_phase_seconds_total{")} == {
+        f"sparrow_trainer_phase_seconds_total{{phase={p}}}" for p in (*mc.TRAINER_PHASES, "other")
+    }
+    # The counters hold the steps done when they were read: at least the first two steps' wall time.
+    assert phase_total >= sum(s["wall_seconds"] for s in steps[:2]) - 1e-6
+
+
+def _timing(step: dict) -> dict[str, float]:
+    """The step's time split, checked: every phase present, none negative, summing to the step's wall time."""
+    split = {k.removeprefix(mc.TIMING_PREFIX): v for k, v in step.items() if k.startswith(mc.TIMING_PREFIX)}
+    assert set(split) == {*mc.TRAINER_PHASES, "other"}, sorted(split)
+    assert all(v >= 0 for v in split.values()), split
+    assert abs(sum(split.values()) - step["wall_seconds"]) < 1e-6
+    # The wall time runs from the end of the step before: it holds the step's own training time.
+    assert step["wall_seconds"] >= step["seconds"] - 1e-3
+    for phase in ("score", "update", "publish"):
+        assert split[phase] > 0, phase
+    return split
 
 
 def _same(a, b) -> bool:
@@ -221,6 +246,9 @@ def test_exact_alpha_steps_export_both_series_and_exact_never_below_the_bound(tm
             metrics = _metrics(service.metrics_port)
     step = _steps(tmp_path / "run")[1]
     assert 0 < step["exact_seconds"] < step["seconds"]  # the pass's own time, part of the step's
+    # The split charges the pass to `exact_alpha`, out of the dense scoring it runs inside.
+    split = _timing(step)
+    assert 0 < split["exact_alpha"] <= step["exact_seconds"] + 1e-3 and split["exact_alpha"] < step["seconds"]
     for b in step["alpha_bins"]:
         # Dense rollouts of the policy being trained (one version stale at most): exact alpha is 1 up to the
         # version lag, and never below the top-k bound of the same tokens.
