@@ -26,6 +26,7 @@ from services.generator.engine import (
     EngineError,
     EngineVersions,
     FinishedSample,
+    Generated,
     RolloutEngine,
 )
 from sparrow.budget import in_pages, page_mismatch, step_budget
@@ -76,6 +77,7 @@ class ReferenceEngine(RolloutEngine):
         self._versions = EngineVersions(policy_version=policy_version)
         self._adapter: str | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
+        self._generated: list[Generated] = []
 
     # ---- the batch ----------------------------------------------------------------------------------
 
@@ -95,6 +97,11 @@ class ReferenceEngine(RolloutEngine):
             return []
         group, submitted = self._queue.popleft()
         return self._generate(group, submitted)
+
+    def take_generated(self) -> list[Generated]:
+        # A step generates its group whole: its tokens are all generated in the step that returns them.
+        out, self._generated = self._generated, []
+        return out
 
     def abort(self, group_id: str) -> None:
         self._queue = deque((g, t) for g, t in self._queue if g.group_id != group_id)
@@ -125,20 +132,23 @@ class ReferenceEngine(RolloutEngine):
         cache = PagedDecodeCache(self.model, lens, plen + max_new, schedule, self.backend)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)[None].expand(n, plen)
         positions = torch.arange(plen, device=self.device)[None].expand(n, plen)
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache).logits[:, -1]
+        with self._phase("prefill"):
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache)
+            logits = out.logits[:, -1]
         rows = [_Row() for _ in range(n)]
         stops = list(dict.fromkeys([*self.eos_ids, *s.stop_token_ids]))
         eos = torch.tensor(stops, dtype=torch.long, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         budgets = torch.zeros(n, dtype=torch.long, device=self.device)  # the first token: dense prefill
         for step in range(max_new):
-            logprobs = scaled_logprobs(logits, s.temperature)
-            nxt = self._sample(logprobs, s.top_p)
-            sampled = logprobs.gather(-1, nxt[:, None])[:, 0]
-            top = torch.topk(logprobs, min(s.top_logprobs, logprobs.shape[-1]), dim=-1)
-            for i in (~done).nonzero()[:, 0].tolist():
-                rows[i].add(int(nxt[i]), float(sampled[i]), top, i, int(budgets[i]))
-            done |= torch.isin(nxt, eos)
+            with self._phase("sampling"):
+                logprobs = scaled_logprobs(logits, s.temperature)
+                nxt = self._sample(logprobs, s.top_p)
+                sampled = logprobs.gather(-1, nxt[:, None])[:, 0]
+                top = torch.topk(logprobs, min(s.top_logprobs, logprobs.shape[-1]), dim=-1)
+                for i in (~done).nonzero()[:, 0].tolist():
+                    rows[i].add(int(nxt[i]), float(sampled[i]), top, i, int(budgets[i]))
+                done |= torch.isin(nxt, eos)
             if bool(done.all()) or step == max_new - 1:
                 break
             lens = lens + 1
@@ -152,6 +162,7 @@ class ReferenceEngine(RolloutEngine):
             )
             logits = out.logits[:, 0]
         elapsed = time.monotonic() - start
+        self._generated += [Generated(group.group_id, i, plen, 0, list(r.budgets)) for i, r in enumerate(rows)]
         return [
             FinishedSample(
                 group_id=group.group_id,
