@@ -5,6 +5,8 @@
     engine.submit(group)            # n samples of one prompt group join the running batch
     for sample in engine.step():    # one engine step (continuous batching); samples that finished
         ...
+    engine.take_generated()         # the tokens generated since the last call, finished or not
+    engine.time_phases(timer)       # charge engine time to prefill / sampling (sparrow.timing)
     engine.set_schedule(schedule)   # applies from the next step on
     engine.set_probe(probe)         # a share of new sequences at the probe's budgets (None: off)
     engine.load_policy(folder, 7)   # in place, no restart
@@ -20,11 +22,13 @@ on machines without vLLM). Both are real generators; neither is a mock.
 from __future__ import annotations
 
 import abc
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sparrow.probe import Probe, ProbePlan
 from sparrow.schedule import Schedule
+from sparrow.timing import PhaseTimer
 from sparrow.work import PromptGroup
 
 FINISH_STOP = "stop"
@@ -71,6 +75,18 @@ class FinishedSample:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class Generated:
+    """Tokens one sequence generated since the last `take_generated`: its `first`, `first + 1`, ... response
+    tokens, with the KV budget of each (the sequence may be unfinished, or later aborted)."""
+
+    group_id: str
+    sample_index: int
+    prompt_len: int
+    first: int
+    kv_budgets: list[int]
+
+
 class EngineError(RuntimeError):
     """An engine operation that failed without harming the engine (e.g. a refused adapter)."""
 
@@ -85,6 +101,20 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def step(self) -> list[FinishedSample]:
         """Runs one engine step; returns the samples that finished in it."""
+
+    @abc.abstractmethod
+    def take_generated(self) -> list[Generated]:
+        """The tokens generated since the last call, per sequence, whether or not the sequence has finished."""
+
+    _phases: PhaseTimer | None = None
+
+    def time_phases(self, phases: PhaseTimer | None) -> None:
+        """Charge the engine's prefill and sampling time to `phases` (its `prefill` and `sampling` phases, inside
+        the caller's `decode`; None: no timer); the timer's thread must be the one that calls `step`."""
+        self._phases = phases
+
+    def _phase(self, name: str) -> AbstractContextManager:
+        return self._phases.phase(name) if self._phases is not None else nullcontext()
 
     @abc.abstractmethod
     def abort(self, group_id: str) -> None:

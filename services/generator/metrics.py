@@ -6,7 +6,9 @@ mode, an outcome: never a generator or group id, Prometheus adds `instance` itse
 A generated token is *sparse* when its KV budget was positive and below its context length (the
 KV length when it was produced); otherwise the step attended to everything (dense). The attended
 and context KV counters per length bin give, as a ratio of their rates, the share of the KV cache
-decode attention actually read in that bin.
+decode attention actually read in that bin. Tokens are counted in the engine step that generated them
+(not when their sequence finishes), so tokens and engine time accrue together and their ratio over any
+window is the window's throughput.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from sparrow import metrics_contract as mc
 from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
+from sparrow.timing import OTHER
 
 if TYPE_CHECKING:
     from services.generator.engine import FinishedSample
@@ -34,7 +37,7 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 
 class GeneratorMetrics:
     """Tokens by attention mode, attended KV per bin, speculation per bin, queue, in-flight, versions, swaps,
-    outcomes, step time."""
+    outcomes, step time, time by phase."""
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
@@ -129,6 +132,15 @@ class GeneratorMetrics:
         self.step_seconds = Histogram(
             "sparrow_generator_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
         )
+        self.phase_seconds = Counter(
+            mc.GENERATOR_PHASE_SECONDS,
+            "Seconds of the generator's loop by phase (sparrow.timing): engine prefill, decode and sampling, "
+            "weight sync, idle, other.",
+            [mc.PHASE_LABEL],
+            registry=r,
+        )
+        for phase in (*mc.GENERATOR_PHASES, OTHER):
+            self.phase_seconds.labels(**{mc.PHASE_LABEL: phase})
         for mode in ("sparse", "dense"):
             self.tokens.labels(mode=mode)
         for kind in SWAP_KINDS:
@@ -160,15 +172,16 @@ class GeneratorMetrics:
                 self.kv_budget.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(budget)
             self.schedule_version.set(schedule.version)
 
-    def record_tokens(self, prompt_len: int, kv_budgets: list[int], probe: bool = False) -> None:
-        """Count one response's tokens by mode, and attended and context KV per bin (token i saw prompt_len + i)."""
-        if probe:
-            self.probe_sequences.inc()
+    def record_tokens(self, prompt_len: int, kv_budgets: list[int], first: int = 0) -> None:
+        """Count tokens of one response as they are generated: by mode, and attended and context KV per bin.
+
+        `kv_budgets` are the budgets of its tokens `first`, `first + 1`, ... (token i saw prompt_len + i).
+        """
         n = len(kv_budgets)
         if n == 0:
             return
         budget = np.asarray(kv_budgets, dtype=np.int64)
-        context = prompt_len + np.arange(n, dtype=np.int64)
+        context = prompt_len + first + np.arange(n, dtype=np.int64)
         sparse = (budget > 0) & (budget < context)
         attended = np.where(sparse, budget, context)
         with self._lock:
@@ -208,6 +221,11 @@ class GeneratorMetrics:
             histogram = self.draft_alpha.labels(**label)
             for a in np.asarray(sample.draft_alphas)[mask].tolist():
                 histogram.observe(a)
+
+    def record_phases(self, seconds: dict[str, float]) -> None:
+        """Add one interval's split (`PhaseTimer.take`) to the phase counters."""
+        for phase, value in seconds.items():
+            self.phase_seconds.labels(**{mc.PHASE_LABEL: phase}).inc(max(0.0, value))
 
     def show_versions(self, policy: int, adapter: int) -> None:
         """The policy and adapter versions being served."""

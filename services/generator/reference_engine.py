@@ -32,6 +32,7 @@ from services.generator.engine import (
     EngineError,
     EngineVersions,
     FinishedSample,
+    Generated,
     RolloutEngine,
 )
 from services.generator.speculative_decode import DecodedRow, SpeculativeDecoder
@@ -98,6 +99,7 @@ class ReferenceEngine(RolloutEngine):
         self._versions = EngineVersions(policy_version=policy_version)
         self._adapter: str | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
+        self._generated: list[Generated] = []
 
     # ---- the batch ----------------------------------------------------------------------------------
 
@@ -126,6 +128,11 @@ class ReferenceEngine(RolloutEngine):
             return []
         group, submitted = self._queue.popleft()
         return self._generate(group, submitted)
+
+    def take_generated(self) -> list[Generated]:
+        # A step generates its group whole: its tokens are all generated in the step that returns them.
+        out, self._generated = self._generated, []
+        return out
 
     def abort(self, group_id: str) -> None:
         self._queue = deque((g, t) for g, t in self._queue if g.group_id != group_id)
@@ -162,7 +169,9 @@ class ReferenceEngine(RolloutEngine):
         cache = PagedDecodeCache(self.model, lens, capacity, schedule, self.backend)
         ids = torch.tensor(prompt, dtype=torch.long, device=self.device)[None].expand(n, plen)
         positions = torch.arange(plen, device=self.device)[None].expand(n, plen)
-        logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache).logits[:, -1]
+        with self._phase("prefill"):
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False, sparrow_cache=cache)
+            logits = out.logits[:, -1]
         stops = list(dict.fromkeys([*self.eos_ids, *s.stop_token_ids]))
         eos = torch.tensor(stops, dtype=torch.long, device=self.device)
         if speculate:
@@ -173,15 +182,16 @@ class ReferenceEngine(RolloutEngine):
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
         budgets = torch.zeros(n, dtype=torch.long, device=self.device)  # the first token: dense prefill
         for step in range(max_new):
-            logprobs = scaled_logprobs(logits, s.temperature)
-            nxt = self._sample(logprobs, s.top_p)
-            sampled = logprobs.gather(-1, nxt[:, None])[:, 0]
-            top = torch.topk(logprobs, min(s.top_logprobs, logprobs.shape[-1]), dim=-1)
-            for i in (~done).nonzero()[:, 0].tolist():
-                rows[i].add(
-                    int(nxt[i]), float(sampled[i]), top.indices[i].tolist(), top.values[i].tolist(), int(budgets[i])
-                )
-            done |= torch.isin(nxt, eos)
+            with self._phase("sampling"):
+                logprobs = scaled_logprobs(logits, s.temperature)
+                nxt = self._sample(logprobs, s.top_p)
+                sampled = logprobs.gather(-1, nxt[:, None])[:, 0]
+                top = torch.topk(logprobs, min(s.top_logprobs, logprobs.shape[-1]), dim=-1)
+                for i in (~done).nonzero()[:, 0].tolist():
+                    rows[i].add(
+                        int(nxt[i]), float(sampled[i]), top.indices[i].tolist(), top.values[i].tolist(), int(budgets[i])
+                    )
+                done |= torch.isin(nxt, eos)
             if bool(done.all()) or step == max_new - 1:
                 break
             lens = lens + 1
@@ -199,6 +209,7 @@ class ReferenceEngine(RolloutEngine):
     def _finished(self, group, rows, stops, versions, probing, submitted: float, start: float) -> list[FinishedSample]:
         elapsed = time.monotonic() - start
         prompt = list(group.prompt_token_ids)
+        self._generated += [Generated(group.group_id, i, len(prompt), 0, list(r.budgets)) for i, r in enumerate(rows)]
         return [
             FinishedSample(
                 group_id=group.group_id,

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,13 +36,16 @@ from services.generator.trajectory_stream import Backoff, TrajectoryStream, to_t
 from services.generator.version_sync import VersionSync
 from services.generator.weight_fetch import POLICY
 from services.generator.work_queue import Claimed, WorkQueue
+from sparrow import metrics_contract as mc
 from sparrow.probe import Probe
 from sparrow.schedule import Schedule
+from sparrow.timing import PhaseTimer
 
 log = logging.getLogger("sparrow.generator")
 
 ACCEPTED, DUPLICATE = rollout_pb2.ACK_STATUS_ACCEPTED, rollout_pb2.ACK_STATUS_DUPLICATE
 MAX_STEP_FAILURES = 3  # consecutive engine failures before the process gives up (the engine is broken)
+PHASE_FLUSH_S = 0.5  # how often the loop's time split goes to the phase counters
 
 
 @dataclass
@@ -95,6 +99,8 @@ class GeneratorService:
         self._heartbeat_stop = threading.Event()
         self._next_lag = 0.0
         self._step_failures = 0
+        self.phases: PhaseTimer | None = None  # the loop's time split (`run`), flushed to the phase counters
+        self._phases_flushed = 0.0
         metrics.show_versions(self.serving.policy_version, self.serving.adapter_version)
 
     # ---- entry points for other threads -------------------------------------------------------------
@@ -162,7 +168,8 @@ class GeneratorService:
         return self.call(lambda: self._load_tensors(tensors, version))
 
     def _load_tensors(self, tensors: dict, version: int) -> EngineVersions:
-        self.engine.load_policy_tensors(tensors, version)
+        with self._phase("weight_sync"):
+            self.engine.load_policy_tensors(tensors, version)
         self.serving = self.engine.versions
         self.metrics.show_versions(self.serving.policy_version, self.serving.adapter_version)
         return self.serving
@@ -196,6 +203,8 @@ class GeneratorService:
     def run(self) -> None:
         """The engine loop; returns after a drain that was asked to exit, or `stop()`."""
         self._thread = threading.current_thread()
+        self.phases = PhaseTimer(mc.GENERATOR_PHASES)
+        self.engine.time_phases(self.phases)
         self.stream.start()
         # Heartbeats run beside the loop: one engine step may outlast claim_idle_s (the reference engine
         # generates a whole group per step), and a live generator's entries must never look abandoned.
@@ -205,22 +214,27 @@ class GeneratorService:
             while not self._stop:
                 busy = self.engine.has_work()
                 can_claim = self._can_claim()
-                self._handle_events(0.0 if busy or can_claim else 0.05)
+                # Waiting for events or for work, with nothing in the engine, is idle.
+                with self._phase("idle") if not (busy or can_claim) else nullcontext():
+                    self._handle_events(0.0 if busy or can_claim else 0.05)
                 if self._sigterm and not self._exit_after_drain:
                     self._start_drain(self.config.drain_grace_s, exit_after=True, future=None)
                 if self._stop:
                     break
                 if self._can_claim():
-                    self._claim(None if busy else self.config.queue.read_block_ms)
+                    with self._phase("idle") if not busy else nullcontext():
+                        self._claim(None if busy else self.config.queue.read_block_ms)
                     self._publish_owned()  # before a step that may be long: heartbeats must cover new entries
                 if self.engine.has_work():
                     self._step()
                 self._housekeeping()
                 self._publish_owned()
+                self._flush_phases()
                 if self.draining and self._drain_done():
                     if self._exit_after_drain:
                         break
         finally:
+            self._flush_phases(force=True)
             self._heartbeat_stop.set()
             with self._events_lock:
                 self._finished = True
@@ -299,15 +313,32 @@ class GeneratorService:
             self.sync.offer(c.group.policy_version, 0)
         self._show_in_flight()
 
+    def _phase(self, name: str) -> AbstractContextManager:
+        """The loop's `name` phase; nothing when called off the loop's thread (the split is the loop's alone)."""
+        if self.phases is None or threading.current_thread() is not self._thread:
+            return nullcontext()
+        return self.phases.phase(name)
+
+    def _flush_phases(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.phases is not None and (force or now - self._phases_flushed >= PHASE_FLUSH_S):
+            self._phases_flushed = now
+            self.metrics.record_phases(self.phases.take())
+
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
-            finished = self.engine.step()
+            # Engine time the engine does not charge to prefill or sampling itself is decode.
+            with self._phase("decode"):
+                finished = self.engine.step()
         except Exception as exc:
             self._step_failed(exc)
             return
         self._step_failures = 0
         self.metrics.step_seconds.observe(time.perf_counter() - t0)
+        # Counted in the step that generated them, with the step's time: throughput over any window is honest.
+        for g in self.engine.take_generated():
+            self.metrics.record_tokens(g.prompt_len, g.kv_budgets, g.first)
         for sample in finished:
             self._send(sample)
         self._show_in_flight()
@@ -317,8 +348,9 @@ class GeneratorService:
         if g is None or sample.finish_reason == FINISH_ABORTED:
             return
         g.finished += 1
-        self.metrics.record_tokens(len(sample.prompt_token_ids), sample.kv_budgets, probe=sample.probe)
         self.metrics.record_speculation(sample)
+        if sample.probe:
+            self.metrics.probe_sequences.inc()
         trajectory = to_trajectory(sample, g.claimed.group.attempt, self.generator_id)
         entry, index = g.claimed.entry_id, sample.sample_index
         future = self.stream.send(trajectory)
@@ -529,10 +561,11 @@ class GeneratorService:
             log.info("probe request cleared")
 
     def _load(self, kind: str, folder: Path, version: int) -> EngineVersions:
-        if kind == POLICY:
-            self.engine.load_policy(folder, version)
-        else:
-            self.engine.load_adapter(folder, version)
+        with self._phase("weight_sync"):
+            if kind == POLICY:
+                self.engine.load_policy(folder, version)
+            else:
+                self.engine.load_adapter(folder, version)
         self.serving = self.engine.versions
         self.metrics.show_versions(self.serving.policy_version, self.serving.adapter_version)
         return self.serving

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from services.generator.engine import (
     EngineError,
     EngineVersions,
     FinishedSample,
+    Generated,
     RolloutEngine,
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
@@ -151,6 +153,7 @@ class VllmEngine(RolloutEngine):
         self._probe: Probe | None = None
         self._plan: ProbePlan | None = None  # the probe as the workers run it now
         self._probe_share = ShareCounter()
+        self._generated: list[Generated] = []
         self.set_schedule(schedule)
 
     # -- hot swaps ---------------------------------------------------------------------------------
@@ -335,7 +338,12 @@ class VllmEngine(RolloutEngine):
         schedule, plan = self._schedule, self._plan
         started = time.time()
         finished: list[FinishedSample] = []
-        for out in self._engine.step():
+        # vLLM runs prefills and decodes in one batch, and its step does not say how long each took: a step
+        # while any sequence still waits for its first token counts as prefill whole, the others as decode.
+        prefill = any(not seq.token_ids for seq in self._sequences.values())
+        with self._phase("prefill") if prefill else nullcontext():
+            outputs = self._engine.step()
+        for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:
                 continue
@@ -357,6 +365,7 @@ class VllmEngine(RolloutEngine):
     def _append(self, seq: _Sequence, completion, schedule: Schedule | None, plan: ProbePlan | None) -> None:
         plen = len(seq.group.prompt_token_ids)
         flat = completion.logprobs
+        first = len(seq.token_ids)
         for j, token in enumerate(completion.token_ids):
             t = len(seq.token_ids)  # generated tokens before this one
             seq.token_ids.append(int(token))
@@ -371,6 +380,12 @@ class VllmEngine(RolloutEngine):
             # Token 0 comes from the dense prefill; token t >= 1 from a decode step at KV length plen + t.
             source = None if t == 0 or schedule is None else plan or schedule
             seq.budgets.append(step_budget(source, plen + t))
+        if len(seq.token_ids) > first:
+            self._generated.append(Generated(seq.group.group_id, seq.index, plen, first, seq.budgets[first:]))
+
+    def take_generated(self) -> list[Generated]:
+        out, self._generated = self._generated, []
+        return out
 
     def _finish(self, request_id: str, reason: str) -> FinishedSample:
         seq = self._sequences.pop(request_id)

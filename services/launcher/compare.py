@@ -3,6 +3,7 @@
     RUN_DIR/dense/    a whole run folder (dense rollouts, no controller)
     RUN_DIR/sparse/   a whole run folder (the schedule, the controller when on)
     RUN_DIR/report.md, RUN_DIR/compare_*.png, RUN_DIR/compare.json
+                      (compare_time_split.png: each run's trainer time per step, stacked by phase, side by side)
 
 Rollout throughput is tokens per second of engine step time (history.py), measured in each run
 on the same machine with the same engine, prompts (same task seed) and sampling, so their ratio is
@@ -19,6 +20,7 @@ from services.launcher.config import UpConfig
 from services.launcher.history import read_history
 from services.launcher.plan import default_run_dir, make_plan, require_fresh_run_dir
 from services.launcher.report import ReportError, build_report, headline, measured, with_gaps
+from services.launcher.time_split import compare_table, plot_side_by_side
 
 COMPARE_FILE = "compare.json"
 MODES = ("dense", "sparse")
@@ -95,6 +97,8 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     (root / COMPARE_FILE).write_text(json.dumps(figs, indent=1) + "\n")
     _plot(root, "rollout_tokens_per_s", "Rollout tokens/s (engine time)", root / "compare_tokens_per_s.png")
     _plot(root, "accuracy", "Accuracy per step", root / "compare_accuracy.png")
+    runs = {mode: read_history(root / mode) for mode in MODES}
+    plot_side_by_side(runs, root / "compare_time_split.png")
     d, s = figs["dense"], figs["sparse"]
 
     def f(value, spec=".3f"):
@@ -120,6 +124,12 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
         "![rollout tokens/s](compare_tokens_per_s.png)",
         "",
         "![accuracy](compare_accuracy.png)",
+        "",
+        "## Where each step's time went (trainer)",
+        "",
+        "![time per step, dense and sparse](compare_time_split.png)",
+        "",
+        *compare_table(runs),
         "",
         "Each run's own report: [dense](dense/report/report.md), [sparse](sparse/report/report.md).",
         "",

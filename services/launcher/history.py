@@ -19,7 +19,14 @@ never saw gets its row, and none is written twice except the one a kill could fa
 
 Throughput is measured between two rows: `tokens_per_s` is generated tokens per wall second (all
 generators), `rollout_tokens_per_s` is tokens per second of engine step time summed over generators
-(what the cluster generates while generating, whatever the trainer's pace).
+(what the cluster generates while generating, whatever the trainer's pace). The generators count tokens
+in the engine step that generates them, as the engine time accrues, so a window of any length between
+two rows reads the rate of that window (counting a sequence's tokens when it finished made a steady
+workload swing from one row to the next).
+
+Where the time went: the trainer's split of the step (`timing/<phase>` seconds, summing to
+`step_wall_seconds`, from steps.jsonl) and the generators' loop time by phase over the same window as the
+throughput, summed over generators (`generator_timing`: phase -> seconds).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from pathlib import Path
 
 from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, scrape_generator
 from services.trainer.store import replace_text
+from sparrow import metrics_contract as mc
 
 HISTORY_FILE = "metrics.jsonl"
 READ_FILE = "history.json"  # how far the launcher has read the trainer's records (a resume reads on from there)
@@ -175,6 +183,7 @@ class History:
         wall = now - self._last_time
         self._last_time = now
         tokens = sparse = busy_rate = attended = context = 0.0
+        phases: dict[str, float] = {}
         versions: dict[str, int] = {}
         adapters: dict[str, int] = {}
         for name, url in self.sources.generator_metrics.items():
@@ -191,6 +200,8 @@ class History:
             context += _delta(sample.context_kv, prev.context_kv)
             if d_busy > 0:
                 busy_rate += d_tokens / d_busy
+            for phase, seconds in sample.phases.items():
+                phases[phase] = phases.get(phase, 0.0) + _delta(seconds, prev.phases.get(phase, 0.0))
             versions[name] = sample.policy_version
             adapters[name] = sample.adapter_version
             self.generator_versions[name] = max(self.generator_versions.get(name, 0), sample.policy_version)
@@ -203,6 +214,7 @@ class History:
             "attended_kv_fraction": attended / context if context else None,
             "generator_policy_versions": versions,
             "generator_adapter_versions": adapters,
+            "generator_timing": {p: round(v, 6) for p, v in phases.items()},
         }
 
     def _schedule(self) -> tuple[dict | None, float | None]:
@@ -253,6 +265,9 @@ class History:
             "kl_rollout_dense": step.get("kl_rollout_dense"),
             "tis_clip_fraction": step.get("tis_clip_fraction"),
             "step_seconds": step.get("seconds"),
+            "step_wall_seconds": step.get("wall_seconds"),
+            **{k: v for k, v in step.items() if k.startswith(mc.TIMING_PREFIX)},
+            "generator_timing": throughput.get("generator_timing", {}),
         }
 
 

@@ -1,7 +1,8 @@
 """The run report: Markdown with PNG plots, built from the metrics history alone (`sparrow report RUN_DIR`).
 
     RUN_DIR/report/report.md        headline figures, the plots, one table row per step
-    RUN_DIR/report/*.png            reward and accuracy, p5 per bin vs tau, schedule, tokens/s
+    RUN_DIR/report/*.png            reward and accuracy, p5 per bin vs tau, schedule, tokens/s, where each
+                                    step's time went (a stacked bar per step, services/launcher/time_split.py)
     RUN_DIR/report/figures.json     the exact series each plot draws
 
 Every number in the report is read from RUN_DIR/metrics.jsonl (and RUN_DIR/summary.json for the
@@ -16,6 +17,10 @@ from pathlib import Path
 
 from services.launcher.eval_report import eval_section, read_evals
 from services.launcher.history import read_history
+from services.launcher.time_split import PLOT as TIME_SPLIT
+from services.launcher.time_split import plot as plot_time_split
+from services.launcher.time_split import section as time_split_section
+from services.launcher.time_split import split_figures
 
 REPORT_DIR = "report"
 SUMMARY_FILE = "summary.json"
@@ -69,6 +74,7 @@ def figures(rows: list[dict]) -> dict:
             "rollout (engine time)": series("rollout_tokens_per_s"),
             "wall": series("tokens_per_s"),
         },
+        TIME_SPLIT: split_figures(rows),
     }
 
 
@@ -167,8 +173,9 @@ def build_report(run_dir: Path) -> Path:
     out.mkdir(exist_ok=True)
     figs = figures(rows)
     tau = rows[-1].get("tau")
-    for name, data in figs.items():
-        _plot(name, data, out / f"{name}.png", tau, [r["step"] for r in rows])
+    for name in PLOTS:
+        _plot(name, figs[name], out / f"{name}.png", tau, [r["step"] for r in rows])
+    plot_time_split(rows, out / f"{TIME_SPLIT}.png")
     (out / "figures.json").write_text(json.dumps(figs, indent=1) + "\n")
     head = headline(rows)
     run = summary.get("run", {})
@@ -202,6 +209,7 @@ def build_report(run_dir: Path) -> Path:
         ]
     for name, (title, _, _) in PLOTS.items():
         md += ["", f"## {title}", "", f"![{title}]({name}.png)"]
+    md += time_split_section(rows)
     md += eval_section(read_evals(run_dir / "trainer"), out)
     md += ["", "## Steps", "", *step_table(rows), ""]
     path = out / "report.md"

@@ -26,6 +26,7 @@ class GeneratorSample:
     tokens_sparse: float = 0.0
     tokens_dense: float = 0.0
     busy_s: float = 0.0  # engine step time, summed
+    steps: float = 0.0  # engine steps
     attended_kv: float = 0.0
     context_kv: float = 0.0
     policy_version: int = 0
@@ -33,6 +34,7 @@ class GeneratorSample:
     schedule_version: int = 0
     in_flight: int = 0
     budgets: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # seconds of the generator's loop by phase, summed
 
     @property
     def tokens(self) -> float:
@@ -44,9 +46,12 @@ def parse_generator_metrics(text: str) -> GeneratorSample:
     values: dict[str, float] = {}
     attended = context = 0.0
     budgets: dict[str, float] = {}
+    phases: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "sparrow_generator_tokens_total":
+            if s.name == mc.GENERATOR_PHASE_SECONDS + "_total":
+                phases[s.labels.get(mc.PHASE_LABEL, "")] = s.value
+            elif s.name == "sparrow_generator_tokens_total":
                 values[f"tokens_{s.labels.get('mode', '')}"] = s.value
             elif s.name == "sparrow_generator_attended_kv_tokens_total":
                 attended += s.value
@@ -56,6 +61,7 @@ def parse_generator_metrics(text: str) -> GeneratorSample:
                 budgets[s.labels.get(mc.BIN_LABEL, "")] = s.value
             elif s.name in (
                 "sparrow_generator_step_seconds_sum",
+                "sparrow_generator_step_seconds_count",
                 "sparrow_generator_policy_version",
                 "sparrow_generator_adapter_version",
                 "sparrow_generator_schedule_version",
@@ -66,6 +72,7 @@ def parse_generator_metrics(text: str) -> GeneratorSample:
         tokens_sparse=values.get("tokens_sparse", 0.0),
         tokens_dense=values.get("tokens_dense", 0.0),
         busy_s=values.get("sparrow_generator_step_seconds_sum", 0.0),
+        steps=values.get("sparrow_generator_step_seconds_count", 0.0),
         attended_kv=attended,
         context_kv=context,
         policy_version=int(values.get("sparrow_generator_policy_version", 0)),
@@ -73,6 +80,7 @@ def parse_generator_metrics(text: str) -> GeneratorSample:
         schedule_version=int(values.get("sparrow_generator_schedule_version", 0)),
         in_flight=int(values.get("sparrow_generator_in_flight_sequences", 0)),
         budgets=budgets,
+        phases=phases,
     )
 
 

@@ -13,6 +13,10 @@ Names are stable (dashboards are built on them) and grouped by prefix:
     rollout/   the generators: rollout/generated_tokens, rollout/tokens_per_s (wall), rollout/engine_tokens_per_s
                (per second of engine time), rollout/sparse_token_fraction, rollout/attended_kv_fraction,
                rollout/<generator>/policy_version, rollout/<generator>/adapter_version
+    timing/    where the time went, in seconds: timing/<phase> the trainer's step (wait_groups, reward, score,
+               exact_alpha, update, distill, publish, checkpoint, other; they sum to train/step_wall_seconds),
+               timing/generator/<phase> the generators' loop over the row's window, summed over generators
+               (prefill, decode, sampling, weight_sync, idle, other)
     reward/    the number fields a dict reward returns beside its score, per reward: reward/<reward>/<field>,
                <reward> being the reward's name, or for a file the file and function (`my_rewards.py:score`)
     eval/      evaluation: a row's `eval` table and every `eval_*` field, flattened (eval_avg@4 -> eval/avg@4,
@@ -29,6 +33,8 @@ Values that are absent, null, not numbers or not finite are left out of that ste
 from __future__ import annotations
 
 import math
+
+from sparrow import metrics_contract as mc
 
 TRAIN = {
     "reward": "train/reward",
@@ -59,6 +65,7 @@ TRAIN = {
 TAIL = {"p5": "p5", "p5_promql": "p5_promql", "alpha_tokens": "tokens", "probe_p5": "probe_p5"}
 GENERATORS = {"generator_policy_versions": "policy_version", "generator_adapter_versions": "adapter_version"}
 SKIPPED = {"step", "time"}
+TIMING = mc.TIMING_PREFIX  # the row's timing/<phase> keys are the tracked names themselves
 
 
 def _number(value) -> float | int | None:
@@ -95,6 +102,10 @@ def tracked_metrics(row: dict) -> dict[str, float]:
         elif key in GENERATORS and isinstance(value, dict):
             for name, v in value.items():
                 _flatten(f"rollout/{name}/{GENERATORS[key]}", v, out)
+        elif key.startswith(TIMING):
+            _flatten(key, value, out)
+        elif key == "generator_timing" and isinstance(value, dict):
+            _flatten(f"{TIMING}generator", value, out)
         elif key == "reward_extra" and isinstance(value, dict):
             for reward, fields in value.items():
                 _flatten(f"reward/{str(reward).rsplit('/', 1)[-1]}", fields, out)

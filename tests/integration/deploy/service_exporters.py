@@ -63,6 +63,9 @@ class TrainerExporter:
         m.tis_clip.set(0.01)
         m.kl.set(0.002)
         m.step_seconds.observe(1.5)
+        for phase, seconds in (("wait_groups", 0.5), ("score", 0.25), ("update", 0.5), ("publish", 0.125),
+                               ("other", 0.125)):  # fmt: skip
+            m.phase_seconds.labels(phase=phase).inc(seconds)
         m.steps.inc()
         m.policy_version.set(step)
         m.staleness.set(0.5)
@@ -100,6 +103,7 @@ class GeneratorExporter:
         m.trajectories.labels(status="accepted").inc()
         m.groups.labels(outcome="done").inc(step % 2)
         m.step_seconds.observe(0.05)
+        m.record_phases({"prefill": 0.01, "decode": 0.2, "idle": 0.03, "other": 0.01})
         m.policy_fetch_bytes.labels(kind="delta", source="peer").inc(1 << 20)
         m.policy_fetch_failures.labels(reason="unavailable").inc(step % 2)
         m.policy_sync_seconds.set(1.5)

@@ -38,13 +38,14 @@ def trainer():
 
 @pytest.fixture
 def start(redis_url, trainer, client, tmp_path):
-    """start(**overrides) -> a running Harness; every one started is stopped after the test."""
+    """start(engine=None, **overrides) -> a running Harness (on `engine`, or the one the config builds); every
+    one started is stopped after the test."""
     harnesses = []
 
-    def _start(**overrides) -> Harness:
+    def _start(engine=None, **overrides) -> Harness:
         name = uuid.uuid4().hex[:8]
         merged = {**generator_overrides(redis_url, trainer.address, tmp_path, name), **overrides}
-        h = Harness(load_config(GeneratorConfig, overrides=merged), trainer, client)
+        h = Harness(load_config(GeneratorConfig, overrides=merged), trainer, client, engine)
         harnesses.append(h)
         return h
 

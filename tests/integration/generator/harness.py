@@ -52,11 +52,13 @@ def generator_overrides(redis_url: str, trainer_address: str, tmp_path: Path, na
 class Harness:
     """One in-process generator plus handles on what it talks to."""
 
-    def __init__(self, config: GeneratorConfig, trainer: StandinRolloutServer, client: redis.Redis) -> None:
+    def __init__(
+        self, config: GeneratorConfig, trainer: StandinRolloutServer, client: redis.Redis, engine=None
+    ) -> None:
         from services.generator.main import Generator
 
         self.config, self.trainer, self.redis = config, trainer, client
-        self.generator = Generator(config)
+        self.generator = Generator(config, engine)  # engine None: the one the config builds
         self.thread = self.generator.run_in_background()
 
     @property

@@ -37,6 +37,7 @@ TRAINER_METRICS = (
     "sparrow_trainer_reward_errors_total",
     "sparrow_trainer_eval_avg_reward",
     "sparrow_trainer_eval_pass_ratio",
+    "sparrow_trainer_phase_seconds_total",
 )
 GENERATOR_METRICS = (
     "sparrow_generator_tokens_total",
@@ -58,6 +59,7 @@ GENERATOR_METRICS = (
     "sparrow_generator_groups_total",
     "sparrow_generator_probe_sequences_total",
     "sparrow_generator_step_seconds",
+    "sparrow_generator_phase_seconds_total",
 )
 CONTROLLER_METRICS = (
     "sparrow_controller_budget_tokens",

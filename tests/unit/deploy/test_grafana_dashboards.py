@@ -78,6 +78,16 @@ def test_the_issue_panels_exist():
     assert shown("sparrow_generator_queue_lag_entries")
     assert shown("sparrow_trainer_policy_version") and shown("sparrow_generator_schedule_version")
     assert shown("sparrow_trainer_reward_mean") and shown("sparrow_trainer_response_length_tokens")
+    # Where the time goes: each process's seconds by phase, as a share of the whole, stacked.
+    trainer_split = "Trainer time by phase (share of wall time, stacked)"
+    generator_split = "Generator time by phase (share of loop time, all generators, stacked)"
+    splits = {trainer_split: "sparrow_trainer_phase_seconds_total", generator_split: "sparrow_generator_phase_seconds"}
+    for title, metric in splits.items():
+        split = by_title[title]
+        (target,) = split["targets"]
+        assert target["expr"].startswith(f"sum by (phase) (rate({metric}") and " / ignoring (phase) " in target["expr"]
+        assert target["legendFormat"] == "{{phase}}" and split["fieldConfig"]["defaults"]["unit"] == "percentunit"
+        assert split["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "normal"
     # Evaluation per mode (dense, under the schedule), and the accuracy the schedule costs: dense minus scheduled.
     evaluation = by_title["Held-out evaluation (avg@k, pass@k per source and mode)"]["targets"]
     assert all("mode)" in t["expr"] and "{{mode}}" in t["legendFormat"] for t in evaluation)

@@ -25,6 +25,7 @@ NAMES = {
     "sparrow_generator_policy_fetch_bytes_total",
     "sparrow_generator_policy_fetch_failures_total",
     "sparrow_generator_policy_sync_seconds",
+    "sparrow_generator_phase_seconds_total",
 }
 
 
@@ -44,7 +45,7 @@ def test_every_contract_name_is_exported_with_low_cardinality_labels():
     samples = _samples(m)
     assert NAMES <= {name for name, _ in samples}
     labels = {k for _, lbl in samples for k, _ in lbl}
-    assert labels <= {"mode", "bin", "kind", "outcome", "status", "le", "source", "reason"}
+    assert labels <= {"mode", "bin", "kind", "outcome", "status", "le", "source", "reason", "phase"}
     assert samples[("sparrow_generator_swaps_total", (("kind", "adapter"), ("outcome", "refused")))] == 0
 
 
@@ -105,3 +106,25 @@ def test_speculation_counts_drafts_accepted_drafts_cycles_and_alpha_per_bin():
         assert (s[(name, (("bin", "0"),))], s[(name, (("bin", "1"),))]) == (bin0, bin1), name
     assert s[("sparrow_generator_draft_alpha_sum", (("bin", "0"),))] == pytest.approx(0.999 + 0.97 + 0.4)
     assert s[("sparrow_generator_draft_alpha_bucket", (("bin", "0"), ("le", "0.5")))] == 1
+
+
+def test_a_response_counted_in_pieces_as_generated_counts_as_it_would_whole():
+    budgets = [0] + [48] * 9 + [64] * 10  # prompt 50: contexts 50..69
+    whole, pieces = GeneratorMetrics(), GeneratorMetrics()
+    for m in (whole, pieces):
+        m.show_schedule(Schedule(budgets=(48, 64), bin_width=60))
+    whole.record_tokens(50, budgets)
+    for first in range(0, len(budgets), 3):  # three tokens per engine step, the last step one
+        pieces.record_tokens(50, budgets[first : first + 3], first)
+    counted = lambda m: {k: v for k, v in _samples(m).items() if not k[0].endswith("_created")}  # noqa: E731
+    assert counted(pieces) == counted(whole)
+    assert counted(whole)[("sparrow_generator_tokens_total", (("mode", "sparse"),))] == 14
+
+
+def test_phase_seconds_add_up_by_phase():
+    m = GeneratorMetrics()
+    m.record_phases({"decode": 1.5, "idle": 0.25, "other": 0.0})
+    m.record_phases({"decode": 0.5, "prefill": 0.125})
+    s = _samples(m)
+    phase = lambda p: s[("sparrow_generator_phase_seconds_total", (("phase", p),))]  # noqa: E731
+    assert (phase("decode"), phase("idle"), phase("prefill"), phase("sampling")) == (2.0, 0.25, 0.125, 0.0)

@@ -12,7 +12,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from services.generator.engine import FINISH_LENGTH, FINISH_STOP, EngineError
+from sparrow import metrics_contract as mc
 from sparrow.schedule import Schedule
+from sparrow.timing import PhaseTimer
 from sparrow.work import PromptGroup, Sampling
 from tests.unit.generator.tiny_models import SMALL, TINY, chain_prompt
 from trainer.model_io import load_model
@@ -47,6 +49,28 @@ def test_a_group_yields_n_complete_samples_that_stop_at_eos(engine):
         assert EOS not in s.token_ids[:-1]
         assert s.kv_budgets == [0] * n  # no schedule: dense everywhere
     assert any(s.finish_reason == FINISH_STOP for s in samples)  # the tiny model answers and ends
+
+
+def test_a_steps_tokens_are_taken_as_generated_and_its_time_splits_into_prefill_decode_sampling(engine):
+    timer = PhaseTimer(mc.GENERATOR_PHASES)
+    engine.time_phases(timer)
+    engine.take_generated()  # whatever earlier tests generated
+    try:
+        engine.submit(_group("timed", n=2, max_new_tokens=30))
+        with timer.phase("decode"):  # as the service calls it: engine time not told apart is decode
+            samples = engine.step()
+        split = timer.take()
+        generated = engine.take_generated()
+    finally:
+        engine.time_phases(None)
+    # The group is generated whole in its step: every token is taken from the step that generated it, once.
+    assert sorted((g.group_id, g.sample_index, g.first, g.kv_budgets) for g in generated) == sorted(
+        (s.group_id, s.sample_index, 0, s.kv_budgets) for s in samples
+    )
+    assert all(g.prompt_len == len(samples[0].prompt_token_ids) for g in generated)
+    assert engine.take_generated() == []
+    assert split["prefill"] > 0 and split["decode"] > 0 and split["sampling"] > 0
+    assert split["weight_sync"] == split["idle"] == 0
 
 
 def test_budgets_follow_the_schedule_and_scores_match_teacher_forced_scoring(engine):

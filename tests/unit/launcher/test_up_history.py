@@ -196,3 +196,24 @@ def test_steps_trained_again_after_a_resume_replace_the_rows_they_superseded(tmp
     rows = read_history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["p5"] for r in rows] == [{"0": 0.9}, {"0": 0.5}, {"0": 0.5}]
+
+
+def test_rows_carry_the_trainers_time_split_and_the_generators_over_the_window(tmp_path, exporters):
+    gen0, url0 = exporters()
+    gen1, url1 = exporters()
+    history = _history(tmp_path, {"gen-0": url0, "gen-1": url1})
+    gen0.record_phases({"decode": 2.0, "idle": 0.5})
+    gen1.record_phases({"decode": 1.0, "prefill": 0.25})
+    split = {"timing/wait_groups": 1.25, "timing/score": 0.5, "timing/update": 0.75, "timing/other": 0.5}
+    history.sources.steps_file.write_text(json.dumps({**_step(1), **split, "wall_seconds": 3.0}) + "\n")
+    (row,) = history.poll()
+    assert {k: row[k] for k in split} == split and row["step_wall_seconds"] == 3.0
+    assert row["generator_timing"]["decode"] == 3.0 and row["generator_timing"]["prefill"] == 0.25
+    assert row["generator_timing"]["idle"] == 0.5 and row["generator_timing"]["weight_sync"] == 0.0
+    # The next row holds what the generators spent since the last one, not their totals.
+    gen0.record_phases({"decode": 0.5})
+    with history.sources.steps_file.open("a") as f:
+        f.write(json.dumps(_step(2)) + "\n")
+    (row2,) = history.poll()
+    assert row2["generator_timing"]["decode"] == 0.5 and row2["generator_timing"]["idle"] == 0.0
+    assert not any(k.startswith("timing/") for k in row2)  # a trainer that wrote no split: none made up

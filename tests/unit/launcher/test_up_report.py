@@ -151,3 +151,64 @@ def test_sparrow_report_on_a_folder_it_cannot_read_or_write_is_one_line(tmp_path
     assert r.stderr.count("\n") == 1 and str(run / blocker) in r.stderr
     if blocker == "report":
         assert (run / "report").read_text() == "not a folder\n"
+
+
+def _timed(row: dict, wait: float, score: float, update: float, other: float) -> dict:
+    split = {"wait_groups": wait, "reward": 0.0, "score": score, "exact_alpha": 0.0, "update": update,
+             "distill": 0.0, "publish": 0.125, "checkpoint": 0.0, "other": other}  # fmt: skip
+    return {**row, **{f"timing/{k}": v for k, v in split.items()}, "step_wall_seconds": sum(split.values())}
+
+
+def test_the_report_shows_each_steps_time_split_as_a_stacked_bar_and_a_table(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from services.launcher.time_split import PHASES, draw
+
+    rows = [_timed(_row(1, 100.0, 0.25), 2.0, 0.5, 0.75, 0.125), _timed(_row(2, 120.0, 0.5), 0.25, 0.5, 1.0, 0.0)]
+    rows[1]["generator_timing"] = {"prefill": 0.5, "decode": 3.0, "sampling": 0.0, "weight_sync": 0.25,
+                                   "idle": 0.125, "other": 0.0}  # fmt: skip
+    run = _run(tmp_path / "run", rows)
+    md = build_report(run).read_text()
+    assert "## Where each step's time went (trainer)" in md and "(time_split.png)" in md
+    assert "| step | wall s | wait_groups | reward | score | exact_alpha | update | distill | publish | checkpoint " \
+           "| other |" in md  # fmt: skip
+    assert "| 1 | 3.500 | 2.000 | 0.000 | 0.500 | 0.000 | 0.750 | 0.000 | 0.125 | 0.000 | 0.125 |" in md
+    assert "| 2 | 1.875 | 0.250 | 0.000 | 0.500 | 0.000 | 1.000 | 0.000 | 0.125 | 0.000 | 0.000 |" in md
+    assert "| 2 | 0.500 | 3.000 | 0.000 | 0.250 | 0.125 | 0.000 |" in md  # the generators' split
+    assert (run / "report" / "time_split.png").read_bytes()[:8] == PNG
+    figs = json.loads((run / "report" / "figures.json").read_text())
+    assert figs["time_split"]["wait_groups"] == [[1, 2.0], [2, 0.25]] and figs["time_split"]["update"][1] == [2, 1.0]
+    # The bars stack: each phase's bar starts where the one below ends, and the stack reaches the wall time.
+    fig, ax = plt.subplots()
+    draw(ax, rows, "t")
+    tops: dict[float, float] = {}
+    for bar in sorted(ax.patches, key=lambda p: (p.get_x(), p.get_y())):
+        x = bar.get_x() + bar.get_width() / 2
+        assert bar.get_y() == pytest.approx(tops.get(x, 0.0))
+        tops[x] = bar.get_y() + bar.get_height()
+    plt.close(fig)
+    assert tops == {1.0: pytest.approx(3.5), 2.0: pytest.approx(1.875)}
+    assert {t.get_text() for t in ax.get_legend().get_texts()} == {"wait_groups", "score", "update", "publish", "other"}
+    assert set(PHASES) >= {"wait_groups", "other"}
+
+
+def test_a_history_without_a_time_split_says_so():
+    from services.launcher.time_split import section, split_figures
+
+    rows = [_row(1, 100.0, 0.25)]
+    assert "No step of this history has a time split." in "\n".join(section(rows))
+    assert all(v == [] for v in split_figures(rows).values())
+
+
+def test_the_comparison_sets_dense_and_sparse_time_splits_side_by_side(tmp_path):
+    _run(tmp_path / "cmp" / "dense", [_timed(_row(1, 100.0, 0.5, False), 4.0, 1.0, 1.0, 0.0),
+                                      _timed(_row(2, 100.0, 0.5, False), 2.0, 1.0, 1.0, 0.0)])  # fmt: skip
+    _run(tmp_path / "cmp" / "sparse", [_timed(_row(1, 250.0, 0.5), 1.0, 1.0, 1.0, 0.0)])
+    path, _ = build_compare_report(tmp_path / "cmp")
+    md = path.read_text()
+    assert "(compare_time_split.png)" in md and "| mean seconds per step | dense | sparse |" in md
+    assert "| wait_groups | 3.000 | 1.000 |" in md and "| wall | 5.125 | 3.125 |" in md
+    assert (tmp_path / "cmp" / "compare_time_split.png").read_bytes()[:8] == PNG

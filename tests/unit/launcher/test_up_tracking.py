@@ -74,6 +74,17 @@ def test_a_row_is_tracked_under_stable_names_grouped_by_prefix():
     assert all(isinstance(v, int | float) and math.isfinite(v) for v in m.values())
 
 
+def test_the_time_split_is_tracked_under_timing():
+    m = tracked_metrics(
+        row(3, **{"timing/wait_groups": 1.5, "timing/other": 0.25, "step_wall_seconds": 1.75},
+            generator_timing={"decode": 2.0, "idle": float("nan")})
+    )  # fmt: skip
+    assert m["timing/wait_groups"] == 1.5 and m["timing/other"] == 0.25
+    assert m["timing/generator/decode"] == 2.0 and "timing/generator/idle" not in m  # not finite: left out
+    assert m["train/step_wall_seconds"] == 1.75
+    assert not any(k.startswith("train/timing") for k in m)
+
+
 def _all_three(tmp_path) -> TrackingConfig:
     return TrackingConfig(backends=["tensorboard", "wandb", "mlflow"], project="proj", run_name="r1", tags=["t"])
 
