@@ -22,6 +22,14 @@ LAUNCHER_DIR = Path(__file__).resolve().parent
 # layers 0-1 dense as in the paper: with every layer sparse, rollouts lose half their accuracy on the
 # chain task while p5 reads 1.000 (docs/results.md, "Dense vs sparse rollouts in the RL loop").
 DEFAULT_SCHEDULE = LAUNCHER_DIR / "schedules" / "small-default.json"
+# The long model's: `sparrow calibrate` on models/long (layers 0-1 dense), its 3K-4K bin raised to the
+# budget whose held-out p5 held tau (docs/results.md, "The long-context policy and the long task").
+LONG_SCHEDULE = LAUNCHER_DIR / "schedules" / "long-calibrated.json"
+
+
+def default_schedule(model_size: str, model_dir: str = "") -> Path:
+    """The schedule a run starts from when it names none: the long model's own, else `small`'s."""
+    return LONG_SCHEDULE if model_size == "long" and not model_dir else DEFAULT_SCHEDULE
 
 
 class PortsConfig(ConfigSection):

@@ -24,7 +24,7 @@ from services.controller.config import ControllerConfig
 from services.generator.config import GeneratorConfig
 from services.launcher import health
 from services.launcher.cluster import ServiceSpec
-from services.launcher.config import DEFAULT_SCHEDULE, UpConfig
+from services.launcher.config import UpConfig, default_schedule
 from services.launcher.ports import HOST, Ports, allocate
 from services.launcher.sandbox import (
     SandboxSetupError,
@@ -103,7 +103,7 @@ def load_schedule(up: UpConfig) -> tuple[Schedule, Path | None]:
     """The starting schedule (also the bins of a dense run's tail metrics) and its file, if it is one."""
     from sparrow.presets import resolve_schedule
 
-    spec = up.schedule or str(DEFAULT_SCHEDULE)
+    spec = up.schedule or str(default_schedule(up.model_size, up.model_dir))
     try:
         schedule = resolve_schedule(spec)
     except ScheduleError as exc:

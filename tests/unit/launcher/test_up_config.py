@@ -68,6 +68,18 @@ def test_the_long_model_runs_the_long_task_with_room_for_its_answers(tmp_path):
         _resolve(UpConfig(model_size="long", trainer={"task": {"max_hops": 256}}), tmp_path)
 
 
+def test_the_long_model_starts_from_its_own_calibrated_schedule():
+    from services.launcher.plan import load_schedule
+
+    schedule, path = load_schedule(UpConfig(model_size="long"))
+    assert path == LAUNCHER_DIR / "schedules" / "long-calibrated.json"
+    assert schedule.budgets == (128, 128, 128, 256, 512) and schedule.dense_layers == (0, 1)
+    assert load_schedule(UpConfig(model_size="long", model_dir="/models/mine"))[1] == DEFAULT_SCHEDULE
+    assert load_schedule(UpConfig())[1] == DEFAULT_SCHEDULE
+    named = LAUNCHER_DIR / "schedules" / "small-calibrated.json"
+    assert load_schedule(UpConfig(model_size="long", schedule=str(named)))[1] == named
+
+
 def test_dense_runs_have_no_schedule_and_no_controller(tmp_path):
     c = _resolve(UpConfig(dense=True), tmp_path)
     assert c.controller is None
