@@ -38,3 +38,27 @@ def _own_environment():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+# `scripts/test` runs the suite on two xdist workers (`--dist loadgroup`). Each test file is one group,
+# so a file's module-scoped servers and engines start once, on one worker. The files that run programs
+# in the code sandbox's jail share one group: test_hostile_programs.py checks that no jailed process
+# (uid 65534) outlives a run, machine-wide, so no other jail may run beside it.
+_JAIL_FILES = (
+    "tests/integration/sandbox/",
+    "tests/unit/sandbox/",
+    "tests/integration/launcher/test_up_code_sandbox.py",
+    "tests/unit/bench/test_bench_sandbox.py",
+    "tests/unit/launcher/test_up_sandbox.py",
+    "tests/unit/core/test_reward_shapes.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    root = config.rootpath
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        path = item.path.relative_to(root).as_posix()
+        group = "jail" if any(path.startswith(prefix) for prefix in _JAIL_FILES) else path
+        item.add_marker(pytest.mark.xdist_group(group))
