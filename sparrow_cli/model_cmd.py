@@ -25,7 +25,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     b = sub.add_parser("build", help="train a Qwen3-architecture model from scratch on the chain task")
     b.add_argument(
-        "--size", required=True, choices=["tiny", "small", "long"], help="tiny (fast tests), small (policy), long (9K tokens)"
+        "--size",
+        required=True,
+        choices=["tiny", "small", "long"],
+        help="tiny (fast tests), small (policy), long (9K tokens)",
     )
     b.add_argument("--out", required=True, help="output folder (HF format + build.json)")
     b.add_argument("--seed", type=int, default=0, help="seed of weights, data and evaluation (default 0)")

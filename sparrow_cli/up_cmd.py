@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--generators", type=int, help="generator processes (generators)")
     p.add_argument("--trainer-procs", type=int, help="trainer processes, torchrun ranks (trainer_procs)")
     p.add_argument("--no-controller", action="store_true", help="keep the starting schedule fixed (with_controller)")
-    p.add_argument("--dense", action="store_true", help="dense rollouts, no schedule (dense)")
+    p.add_argument("--dense", action="store_true", help="dense rollouts, no schedule (generator.engine.decode = dense)")
     p.add_argument("--compare", action="store_true", help="run dense, then sparse, and compare them")
     p.add_argument("--engine", choices=["vllm", "reference"], help="generator engine (engine)")
     p.add_argument("--run-dir", metavar="DIR", help="the run folder, new or empty (run_dir)")
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "generators": args.generators,
         "trainer_procs": args.trainer_procs,
         "with_controller": False if args.no_controller else None,
-        "dense": True if args.dense else None,
+        "generator.engine.decode": "dense" if args.dense else None,
         "engine": args.engine,
         "run_dir": args.run_dir,
         # Paths as the user typed them, from where sparrow up was started (the services start elsewhere).

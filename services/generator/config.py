@@ -130,8 +130,8 @@ class EngineConfig(ConfigSection):
         description=(
             "How decode attends: sparse (the schedule's block-sparse budgets; fast, lossy), speculative (sparse "
             "drafts verified by one dense pass with exact rejection sampling: every token is the dense policy's; "
-            "reference engine only for now), dense (every page, the schedule ignored; reference engine only: "
-            "vLLM decodes densely without a schedule). Groups marked dense decode densely in every mode."
+            "reference engine only for now), dense (every page: the generator applies no schedule, neither "
+            "schedule.initial nor Redis's; sparrow up --dense). Groups marked dense decode densely in every mode."
         ),
     )
     speculative_tokens: int = Field(
@@ -147,11 +147,6 @@ class EngineConfig(ConfigSection):
             raise ValueError(
                 "engine.decode speculative runs on the reference engine only (engine.kind = 'reference'); "
                 "the vLLM plugin's speculative path is not built yet"
-            )
-        if self.decode == "dense" and self.kind == "vllm":
-            raise ValueError(
-                "engine.decode dense is a reference-engine mode; a vLLM generator decodes densely without a "
-                "schedule (schedule.initial empty, schedule.follow_redis false: what sparrow up --dense sets)"
             )
         return self
 

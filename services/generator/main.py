@@ -96,8 +96,12 @@ class Generator:
         from sparrow.schedule import ScheduleError
 
         self.config = config
+        # Dense decode applies no schedule: neither the initial one nor the controller's from Redis.
+        follows_schedule = config.engine.decode != "dense"
         try:
-            initial = resolve_schedule(config.schedule.initial) if config.schedule.initial else None
+            initial = (
+                resolve_schedule(config.schedule.initial) if config.schedule.initial and follows_schedule else None
+            )
         except ScheduleError as exc:
             raise SetupError(f"schedule.initial: {exc}") from None
         self.engine = engine if engine is not None else build_engine(config)
@@ -152,7 +156,7 @@ class Generator:
             ScheduleWatch(
                 config.redis.url, self.service.set_schedule, s.poll_s, refused, on_probe=self.service.set_probe
             )
-            if s.follow_redis
+            if s.follow_redis and follows_schedule
             else None
         )
         self.control = None

@@ -30,8 +30,12 @@ def check_compare(up: UpConfig) -> tuple[Path, dict[str, UpConfig]]:
     """Check both runs' input before either starts (SetupError/ConfigError); (the root folder, each mode's config)."""
     root = Path(up.run_dir or default_run_dir()).resolve()
     require_fresh_run_dir(root)
+    # The second run decodes as the config says (sparse, or speculative), the first densely.
+    other = "sparse" if up.decode == "dense" else up.decode
     ups = {
-        m: up.model_copy(update={"dense": m == "dense", "run_dir": str(root / m), "tracking": _tracking(up, root, m)})
+        m: up.with_decode("dense" if m == "dense" else other).model_copy(
+            update={"run_dir": str(root / m), "tracking": _tracking(up, root, m)}
+        )
         for m in MODES
     }
     for mode in MODES:

@@ -9,13 +9,16 @@ count) is the launcher's alone; setting it in a table is an error that names the
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from services.launcher.tracking.config import TrackingConfig
 from sparrow.config import ConfigSection, SparrowConfig
+
+log = logging.getLogger(__name__)
 
 LAUNCHER_DIR = Path(__file__).resolve().parent
 # The budgets `sparrow calibrate` fitted on `small` (small-calibrated.json, every layer sparse), with
@@ -93,7 +96,6 @@ class UpConfig(SparrowConfig):
         "fails; never after a setup error (exit 2).",
     )
     with_controller: bool = Field(True, description="Run the controller (closed-loop schedule); false: fixed schedule.")
-    dense: bool = Field(False, description="Dense rollouts: generators run without a schedule (and no controller).")
     engine: Literal["vllm", "reference"] = Field(
         "vllm", description="Generator engine: vllm (vLLM + sparse plugin) or reference (own torch loop, slow)."
     )
@@ -148,10 +150,52 @@ class UpConfig(SparrowConfig):
         default_factory=dict, description="Overrides of the started sandbox's config (sandbox.toml keys)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _dense_is_a_decode_mode(cls, data: Any) -> Any:
+        # `dense = true` (before engine.decode existed) is generator.engine.decode = "dense".
+        if not isinstance(data, dict) or "dense" not in data:
+            return data
+        data = dict(data)
+        dense = data.pop("dense")
+        if dense in (True, "true", "True", "1", 1):
+            generator = dict(data.get("generator") or {})
+            engine = dict(generator.get("engine") or {})
+            if engine.setdefault("decode", "dense") != "dense":
+                raise ValueError(
+                    f"dense = true and generator.engine.decode = {engine['decode']!r} disagree; "
+                    "keep generator.engine.decode (dense is its old spelling)"
+                )
+            data["generator"] = generator | {"engine": engine}
+        log.warning(
+            "config key 'dense' is deprecated: use generator.engine.decode = \"dense\" (--dense) "
+            "(the old spelling is read until the next release)"
+        )
+        return data
+
+    @property
+    def decode(self) -> str:
+        """How the generators decode (`generator.engine.decode`): sparse, speculative or dense."""
+        engine = self.generator.get("engine")
+        return str(engine.get("decode", "sparse")) if isinstance(engine, dict) else "sparse"
+
+    @property
+    def dense(self) -> bool:
+        """Dense rollouts: the generators run without a schedule (`--dense`: generator.engine.decode dense)."""
+        return self.decode == "dense"
+
+    def with_decode(self, mode: str) -> UpConfig:
+        """This config with the generators' decode mode set to `mode`."""
+        generator = dict(self.generator)
+        generator["engine"] = dict(generator.get("engine") or {}) | {"decode": mode}
+        return self.model_copy(update={"generator": generator})
+
     @property
     def uses_controller(self) -> bool:
-        """A dense run has no schedule to tune."""
-        return self.with_controller and not self.dense
+        """Only lossy sparse rollouts have a tail to hold: a dense run has no schedule to tune, and the
+        lossless controller of speculative runs (throughput per draft budget) is not built yet, so their
+        schedule stays the starting one."""
+        return self.with_controller and self.decode == "sparse"
 
     def cluster_token(self) -> str | None:
         """The configured service token, or None (the launcher makes one)."""

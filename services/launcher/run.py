@@ -335,7 +335,7 @@ class UpRun:
                 "engine": p.up.engine,
                 "generators": p.up.generators,
                 "trainer_procs": p.up.trainer_procs,
-                "mode": "dense" if p.up.dense else "sparse",
+                "mode": p.up.decode,
                 "controller": p.children.controller is not None,
                 "steps": p.up.steps,
             },

@@ -17,7 +17,7 @@ def test_values_are_typed_by_the_field_they_set():
         [
             "trainer.optim.lr=2e-6",
             "steps=3",
-            "dense=true",
+            "with_controller=false",
             "engine=reference",
             "run_dir=runs/a b",
             'model_dir="quoted/dir"',
@@ -30,7 +30,7 @@ def test_values_are_typed_by_the_field_they_set():
     assert flags == {
         "trainer.optim.lr": 2e-6,
         "steps": 3,
-        "dense": True,
+        "with_controller": False,
         "engine": "reference",
         "run_dir": "runs/a b",
         "model_dir": "quoted/dir",
@@ -58,7 +58,7 @@ def test_set_overrides_the_file_and_reaches_the_service_table(tmp_path):
         ("steps=2.5", "--set steps=2.5: expected int >= 1, got '2.5'"),
         ("steps=0", "--set steps=0: expected int >= 1"),
         ("engine=vlm", "--set engine=vlm: expected one of 'vllm', 'reference', got 'vlm'"),
-        ("dense=maybe", "--set dense=maybe: expected bool"),
+        ("with_controller=maybe", "--set with_controller=maybe: expected bool"),
         ('tracking.backends=["neptune"]', "expected a list of one of 'tensorboard', 'wandb', 'mlflow'"),
         ("trainer.optim.lr.x=1", "--set trainer.optim.lr.x: 'trainer.optim.lr' is float, it has no key 'x'"),
         ("steps", "--set 'steps': expected KEY=VALUE"),

@@ -94,7 +94,6 @@ def test_weights_address_defaults_to_the_trainer_address():
         ({"engine.kind": "reference", "engine.speculative_tokens": 17}, "engine.speculative_tokens"),
         ({"engine.kind": "reference", "engine.speculative_tokens": 0}, "engine.speculative_tokens"),
         ({"engine.decode": "speculative"}, "vLLM plugin's speculative path is not built yet"),
-        ({"engine.decode": "dense"}, "vLLM generator decodes densely without a schedule"),
         ({"engine.kind": "reference", "engine.decode": "lossy"}, "engine.decode"),
     ],
 )

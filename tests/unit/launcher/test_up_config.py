@@ -1,5 +1,6 @@
 """`sparrow up`'s config and how each child's config is resolved from it, written and read back."""
 
+import logging
 import tomllib
 from pathlib import Path
 
@@ -81,10 +82,26 @@ def test_the_long_model_starts_from_its_own_calibrated_schedule():
 
 
 def test_dense_runs_have_no_schedule_and_no_controller(tmp_path):
-    c = _resolve(UpConfig(dense=True), tmp_path)
-    assert c.controller is None
+    up = UpConfig(generator={"engine": {"decode": "dense"}})  # what --dense sets
+    assert up.dense and up.decode == "dense"
+    c = _resolve(up, tmp_path)
+    assert c.controller is None and c.generators[0].engine.decode == "dense"
     assert c.generators[0].schedule.initial == "" and not c.generators[0].schedule.follow_redis
     assert _resolve(UpConfig(with_controller=False), tmp_path).controller is None
+
+
+def test_one_decode_switch_the_old_dense_key_reads_as_it_with_a_deprecation_line(caplog):
+    with caplog.at_level(logging.WARNING):
+        old = UpConfig(dense=True, generator={"engine": {"max_num_seqs": 8}})
+    assert old.decode == "dense" and old.generator["engine"] == {"max_num_seqs": 8, "decode": "dense"}
+    assert "'dense' is deprecated: use generator.engine.decode" in caplog.text
+    assert UpConfig(dense=False).decode == "sparse"
+    with pytest.raises(ValueError, match="disagree"):
+        UpConfig(dense=True, generator={"engine": {"decode": "speculative"}})
+    # speculative runs keep their starting schedule: the lossless controller is not built yet
+    speculative = UpConfig(engine="reference", generator={"engine": {"decode": "speculative"}})
+    assert not speculative.uses_controller and not speculative.dense and UpConfig().uses_controller
+    assert speculative.with_decode("dense").dense and speculative.with_decode("dense").engine == "reference"
 
 
 def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):

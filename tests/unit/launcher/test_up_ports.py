@@ -54,5 +54,5 @@ def test_the_same_port_for_two_services_is_an_error():
 
 
 def test_no_controller_port_without_a_controller():
-    assert allocate(UpConfig(dense=True)).controller == 0
+    assert allocate(UpConfig(generator={"engine": {"decode": "dense"}})).controller == 0
     assert allocate(UpConfig(with_controller=False)).controller == 0
