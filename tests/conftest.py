@@ -40,10 +40,10 @@ def _own_environment():
         os.environ.update(saved)
 
 
-# `scripts/test` runs the suite on two xdist workers (`--dist loadgroup`). Each test file is one group,
-# so a file's module-scoped servers and engines start once, on one worker. The files that run programs
-# in the code sandbox's jail share one group: test_hostile_programs.py checks that no jailed process
-# (uid 65534) outlives a run, machine-wide, so no other jail may run beside it.
+# `scripts/test` runs the suite on two xdist workers (`--dist loadfile`): a test file goes to one worker
+# whole, so its module-scoped servers and engines start once. The files that run programs in the code
+# sandbox's jail go to one worker together, one after another: test_hostile_programs.py checks that no
+# jailed process (uid 65534) outlives a run, machine-wide, so no other jail may run beside it.
 _JAIL_FILES = (
     "tests/integration/sandbox/",
     "tests/unit/sandbox/",
@@ -54,11 +54,14 @@ _JAIL_FILES = (
 )
 
 
-def pytest_collection_modifyitems(config, items):
-    root = config.rootpath
-    for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
-        path = item.path.relative_to(root).as_posix()
-        group = "jail" if any(path.startswith(prefix) for prefix in _JAIL_FILES) else path
-        item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FilesAndOneJail(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "jail" if path.startswith(_JAIL_FILES) else path
+
+    return FilesAndOneJail(config, log)
