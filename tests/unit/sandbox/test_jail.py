@@ -121,3 +121,52 @@ def test_peak_memory_of_a_run_that_is_killed_is_measured(jail):
     )
     out = run(jail, forks, limits=Limits(timeout_s=2))
     assert out.status == "timeout" and out.peak_memory_bytes >= 4 * (60 << 20)
+
+
+def test_jails_left_by_a_sandbox_that_died_are_killed_and_no_others(jail, monkeypatch):
+    """A SIGKILLed service cannot kill its jails, and bwrap's --die-with-parent misses a bwrap killed while
+    it sets up (its init lives on, orphaned, as long as the program runs). Orphans are made here by hand, as
+    processes carrying a jail's owner mark, because the race itself cannot be hit on demand."""
+    import subprocess
+    import sys
+    import time
+
+    import services.sandbox.jail as jail_module
+
+    def owned_by(owner: str) -> subprocess.Popen:
+        return subprocess.Popen(["sleep", "1000"], env={"PATH": "/usr/bin:/bin", "SPARROW_JAIL_OWNER": owner})
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone_owner = jail_module._process_identity(gone.pid)
+    gone.wait()
+    living = subprocess.Popen(["sleep", "1000"])
+    living_owner = jail_module._process_identity(living.pid)
+    pid, _, start = living_owner.partition(".")
+    reused = f"{pid}.{int(start) + 1}"  # the pid lives on, in another process than the jail's owner
+    procs = {
+        "orphan": owned_by(gone_owner),
+        "owner alive": owned_by(living_owner),
+        "pid reused": owned_by(reused),
+        "ours": owned_by(jail.owner),
+        "garbled": owned_by("not-an-owner"),
+    }
+    try:
+        time.sleep(0.2)  # exec'd: their environ is readable
+        killed = set(Jail().reap_orphans() + jail.reap_orphans())
+        for p in procs.values():
+            try:
+                p.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                pass
+        alive = {name for name, p in procs.items() if p.poll() is None}
+        assert alive == {"owner alive", "ours"}, killed
+        # Jail.run reaps too, at most every REAP_EVERY_S
+        later = procs["later"] = owned_by(gone_owner)
+        time.sleep(0.2)
+        monkeypatch.setattr(jail, "_reaped_at", time.monotonic() - jail_module.REAP_EVERY_S)
+        assert run(jail, "print(1)").status == "ok"
+        assert later.wait(timeout=2) == -9
+    finally:
+        for p in [*procs.values(), living]:
+            p.kill()
+            p.wait()
