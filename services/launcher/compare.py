@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from services.launcher.config import UpConfig
+from services.launcher.eval_report import read_evals
 from services.launcher.history import read_history
 from services.launcher.plan import default_run_dir, make_plan, require_fresh_run_dir
 from services.launcher.report import ReportError, build_report, headline, measured, with_gaps
@@ -80,13 +81,26 @@ def compare_figures(root: Path) -> dict:
         if not rows:
             raise ReportError(f"{root / mode}: the metrics history holds no steps")
         heads[mode] = headline(rows)
+        heads[mode]["heldout"] = [_heldout(r) for r in read_evals(root / mode / "trainer")]
     dense, sparse = heads["dense"]["mean_rollout_tokens_per_s"], heads["sparse"]["mean_rollout_tokens_per_s"]
+    steady = heads["dense"]["steady_step_seconds"] and heads["sparse"]["steady_step_seconds"]
+    key = "steady_step_seconds" if steady else "mean_step_seconds"
+    dense_step, sparse_step = heads["dense"][key], heads["sparse"][key]
     return {
         "dense": heads["dense"],
         "sparse": heads["sparse"],
         "measured_rollout_speedup": sparse / dense if dense and sparse else None,
+        # dense step time over sparse step time: > 1 when sparse rollouts make the RL step faster
+        "measured_step_speedup": dense_step / sparse_step if dense_step and sparse_step else None,
+        "step_speedup_of": "steps after the first" if steady else "all steps",
         "accuracy_difference": _diff(heads["sparse"]["mean_accuracy"], heads["dense"]["mean_accuracy"]),
     }
+
+
+def _heldout(round_: dict) -> dict:
+    """One evaluation round in brief: when, how decoded, and each source's figures (avg@k, pass@k, ...)."""
+    keep = ("round", "step", "mode", "k", "prompts", "complete", "sources")
+    return {k: round_.get(k) for k in keep}
 
 
 def _diff(a, b):
@@ -113,18 +127,25 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
         "# Sparrow: dense vs sparse rollouts",
         "",
         f"Measured rollout speedup of sparse over dense: **{f(speedup, '.2f')}x** "
-        f"(predicted by the cost model: {f(s['final_predicted_speedup'], '.2f')}x).",
+        f"(predicted by the cost model: {f(s['final_predicted_speedup'], '.2f')}x); "
+        f"RL step time, dense over sparse: **{f(figs['measured_step_speedup'], '.2f')}x** "
+        f"({figs['step_speedup_of']}).",
         "",
         "| figure | dense | sparse |",
         "|---|---|---|",
         f"| mean rollout tokens/s (engine time) | {f(d['mean_rollout_tokens_per_s'], '.1f')} "
         f"| {f(s['mean_rollout_tokens_per_s'], '.1f')} |",
+        f"| mean RL step seconds (all steps) | {f(d['mean_step_seconds'], '.1f')} "
+        f"| {f(s['mean_step_seconds'], '.1f')} |",
+        f"| mean RL step seconds (after the first) | {f(d['steady_step_seconds'], '.1f')} "
+        f"| {f(s['steady_step_seconds'], '.1f')} |",
         f"| mean accuracy | {f(d['mean_accuracy'])} | {f(s['mean_accuracy'])} |",
         f"| final accuracy | {f(d['final_accuracy'])} | {f(s['final_accuracy'])} |",
         f"| mean reward | {f(d['mean_reward'])} | {f(s['mean_reward'])} |",
         f"| min p5 over bins, last step | {f(d['final_min_p5'])} | {f(s['final_min_p5'])} |",
         f"| steps | {d['steps_done']} | {s['steps_done']} |",
         "",
+        *_heldout_table(d["heldout"], s["heldout"]),
         "![rollout tokens/s](compare_tokens_per_s.png)",
         "",
         "![accuracy](compare_accuracy.png)",
@@ -141,6 +162,29 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     path = root / "report.md"
     path.write_text("\n".join(md))
     return path, figs
+
+
+def _heldout_table(dense: list[dict], sparse: list[dict]) -> list[str]:
+    """Held-out rounds side by side, by round number: each source's first avg@ figure (none: no lines)."""
+    if not dense and not sparse:
+        return []
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        parts = []
+        for src, figures in (r.get("sources") or {}).items():
+            avg = next(((k, v) for k, v in figures.items() if k.startswith("avg@")), None)
+            if avg is not None:
+                parts.append(f"{src} {avg[0]} {avg[1]:.3f}")
+        return ", ".join(parts) or "-"
+
+    by = {m: {(r["round"], r["mode"]): r for r in rs} for m, rs in (("dense", dense), ("sparse", sparse))}
+    lines = ["| held-out round (at step, decoded) | dense run | sparse run |", "|---|---|---|"]
+    for key in sorted(set(by["dense"]) | set(by["sparse"]), key=lambda k: (k[0], str(k[1]))):
+        step = (by["dense"].get(key) or by["sparse"].get(key))["step"]
+        lines.append(f"| {key[0]} ({step}, {key[1]}) | {cell(by['dense'].get(key))} | {cell(by['sparse'].get(key))} |")
+    return [*lines, ""]
 
 
 def build_any_report(run_dir: Path) -> tuple[Path, dict]:

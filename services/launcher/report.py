@@ -35,6 +35,7 @@ def headline(rows: list[dict]) -> dict:
     last = rows[-1] if rows else {}
     rates = [v for r in rows if (v := measured(r, "rollout_tokens_per_s")) is not None]
     p5s = list(last.get("p5", {}).values())
+    walls = [r["step_wall_seconds"] for r in rows if isinstance(r.get("step_wall_seconds"), int | float)]
     return {
         "steps_done": len(rows),
         "final_reward": last.get("reward"),
@@ -42,6 +43,10 @@ def headline(rows: list[dict]) -> dict:
         "mean_reward": _mean([r["reward"] for r in rows if r.get("reward") is not None]),
         "mean_accuracy": _mean([r["accuracy"] for r in rows if r.get("accuracy") is not None]),
         "mean_rollout_tokens_per_s": _mean(rates),
+        # an RL step's wall time, end of one step to the end of the next; the first also waits for the
+        # first rollouts (nothing overlaps it), so the steady figure leaves it out
+        "mean_step_seconds": _mean(walls),
+        "steady_step_seconds": _mean(walls[1:]) if len(walls) > 1 else None,
         "final_min_p5": min(p5s) if p5s else None,
         "final_predicted_speedup": last.get("predicted_speedup"),
         "final_policy_version": last.get("published_version"),

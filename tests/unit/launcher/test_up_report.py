@@ -18,7 +18,7 @@ def _row(step: int, rate: float, accuracy: float, schedule: bool = True) -> dict
         "reward": accuracy / 2,
         "accuracy": accuracy,
         "response_length": 12.5,
-        "p5": {"0": 0.99, "1": [0.81, 0.82, 0.83][step - 1]},
+        "p5": {"0": 0.99, "1": [0.81, 0.82, 0.83][(step - 1) % 3]},
         "alpha_tokens": {"0": 30, "1": 20},
         "p5_promql": {},
         "tau": 0.86,
@@ -100,15 +100,39 @@ def test_no_report_without_a_run_or_without_steps(tmp_path):
         build_report(_run(tmp_path / "empty", []))
 
 
+def _eval_round(n: int, step: int, avg: float) -> dict:
+    return {"round": n, "mode": "dense", "step": step, "policy_version": step + 1, "k": 1, "prompts": 8, "complete": True, "dense": True,
+            "sources": {"chain": {"avg@1": avg, "pass@1": avg}}, "seconds": 3.0}  # fmt: skip
+
+
 def test_the_comparison_reports_the_measured_speedup_and_both_accuracies(tmp_path):
-    _run(tmp_path / "cmp" / "dense", [_row(1, 100.0, 0.5, False), _row(2, 100.0, 0.75, False)])
-    _run(tmp_path / "cmp" / "sparse", [_row(1, 250.0, 0.5), _row(2, 230.0, 0.5)])
+    dense = [_row(1, 100.0, 0.5, False), _row(2, 100.0, 0.75, False), _row(3, 100.0, 0.75, False)]
+    sparse = [_row(1, 250.0, 0.5), _row(2, 230.0, 0.5), _row(3, 230.0, 0.5)]
+    for rows, walls in ((dense, (300.0, 100.0, 120.0)), (sparse, (200.0, 80.0, 70.0))):
+        for r, wall in zip(rows, walls, strict=True):
+            r["step_wall_seconds"] = wall
+    _run(tmp_path / "cmp" / "dense", dense)
+    _run(tmp_path / "cmp" / "sparse", sparse)
+    for mode, avgs in (("dense", (0.5, 0.625)), ("sparse", (0.5, 0.375))):
+        evals = [_eval_round(i, 2 * i, a) for i, a in enumerate(avgs)]
+        (tmp_path / "cmp" / mode / "trainer").mkdir()
+        (tmp_path / "cmp" / mode / "trainer" / "evals.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
     path, figs = build_compare_report(tmp_path / "cmp")
-    assert figs["measured_rollout_speedup"] == pytest.approx(2.4)
-    assert figs["accuracy_difference"] == pytest.approx(-0.125)
+    assert figs["measured_rollout_speedup"] == pytest.approx(710 / 300)
+    assert figs["accuracy_difference"] == pytest.approx(-1 / 6)
+    # the step-time ratio leaves out the first step, which waits for the first rollouts
+    assert (
+        figs["measured_step_speedup"] == pytest.approx(110.0 / 75.0)
+        and figs["step_speedup_of"] == "steps after the first"
+    )
+    assert figs["dense"]["mean_step_seconds"] == pytest.approx(520 / 3)
+    assert [r["sources"]["chain"]["avg@1"] for r in figs["sparse"]["heldout"]] == [0.5, 0.375]
     md = path.read_text()
-    assert "Measured rollout speedup of sparse over dense: **2.40x**" in md
-    assert "| mean accuracy | 0.625 | 0.500 |" in md
+    assert "Measured rollout speedup of sparse over dense: **2.37x**" in md
+    assert "RL step time, dense over sparse: **1.47x** (steps after the first)" in md
+    assert "| mean RL step seconds (after the first) | 110.0 | 75.0 |" in md
+    assert "| 1 (2, dense) | chain avg@1 0.625 | chain avg@1 0.375 |" in md
+    assert "| mean accuracy | 0.667 | 0.500 |" in md
     for png in ("compare_tokens_per_s.png", "compare_accuracy.png"):
         assert (tmp_path / "cmp" / png).read_bytes()[:8] == PNG
     assert (tmp_path / "cmp" / "dense" / "report" / "report.md").is_file()
