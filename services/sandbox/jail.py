@@ -14,8 +14,9 @@ kills every process left in the namespace, forks that moved to other sessions in
 
 A service killed outright (SIGKILL, the OOM killer) cannot kill its jails, and --die-with-parent has a gap:
 a bwrap killed while it sets up leaves its init behind, orphaned, for as long as the program runs (about
-one kill in 40 in the first 30 ms here). Every jail carries its owner (pid and start time) in bwrap's
-environment, which the program never sees, and each Jail kills the jails whose owner is gone: when it is
+one kill in 40 in the first 30 ms here). Every jail carries its owner's token (random, so it tells a
+program that reads /proc/1/environ nothing of the host) in bwrap's environment; the owner holds a lock
+on a file of that name for its life. Each Jail kills the jails whose owner's lock is free: when it is
 made (a restarted service cleans up after the one that died) and at most every `REAP_EVERY_S` after.
 
 As root, the service drops to an unprivileged uid (`uid`, default nobody) before it starts bwrap: root's
@@ -24,10 +25,12 @@ own processes are exempt from the process limit, and a program that got out woul
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -45,7 +48,8 @@ STATUSES = ("ok", "timeout", "memory", "output_limit", "runtime_error", "compile
 """What a run can end as; a test comparison turns `ok` into `passed` or `failed`."""
 _READ_CHUNK = 1 << 16
 REAP_EVERY_S = 5.0
-_OWNER_VAR = "SPARROW_JAIL_OWNER"
+_OWNER_VAR = "JAIL_OWNER"
+_OWNERS_DIR = os.path.join(tempfile.gettempdir(), f"sparrow-jail-owners-{os.geteuid()}")
 _SETUP_EXIT = 125
 """prlimit or the interpreter could not start (bwrap and prlimit both use small codes for their own errors)"""
 
@@ -93,26 +97,34 @@ class Jail:
             raise JailError(f"bubblewrap ({bwrap}) is not installed: apt-get install bubblewrap (or insecure_local)")
         if self.prlimit is None:
             raise JailError("prlimit (util-linux) is not installed; the jail sets its rlimits with it")
-        self._owner: tuple[int, str] | None = None
+        self._owner: tuple[int, str, int] | None = None  # (pid, token, fd of the held lock)
         self._reaped_at = -math.inf
         self._reap_lock = threading.Lock()
         self.reap_orphans()
 
     @property
     def owner(self) -> str:
-        """This process's identity, which its jails carry (a Jail used after a fork belongs to the child)."""
+        """The token this process's jails carry (a Jail used after a fork takes a token of the child's own)."""
         pid = os.getpid()
         if self._owner is None or self._owner[0] != pid:
-            self._owner = (pid, _process_identity(pid) or f"{pid}.0")
+            token = secrets.token_hex(8)
+            os.makedirs(_OWNERS_DIR, mode=0o700, exist_ok=True)
+            fd = os.open(os.path.join(_OWNERS_DIR, token), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until this process ends, however it ends
+            self._owner = (pid, token, fd)
         return self._owner[1]
 
     def reap_orphans(self) -> list[int]:
         """Kill the jails whose owning process is gone; the pids killed."""
         with self._reap_lock:
             self._reaped_at = time.monotonic()
-            killed = []
+            killed, gone = [], {}
             for pid, owner in _jails():
-                if owner == self.owner or _owner_alive(owner):
+                if owner == self.owner:
+                    continue
+                if owner not in gone:
+                    gone[owner] = _owner_gone(owner)
+                if not gone[owner]:
                     continue
                 try:
                     os.kill(pid, signal.SIGKILL)  # the namespace's init: the kernel kills the rest with it
@@ -121,6 +133,7 @@ class Jail:
                 killed.append(pid)
             if killed:
                 log.warning("killed %d jail process(es) left by a sandbox that is gone: %s", len(killed), killed)
+            _forget_gone_owners()  # after the kills: a free lock's jails were all found above
             return killed
 
     def check(self, runtime: Runtime) -> None:
@@ -373,20 +386,36 @@ def _kill(proc: subprocess.Popen) -> None:
         pass
 
 
-def _process_identity(pid: int) -> str | None:
-    """`pid.starttime`: one process for the life of the machine (a pid alone is reused)."""
+def _owner_gone(token: str) -> bool:
+    """True when the owner's lock file exists and nobody holds it (a token without a file is left alone)."""
+    if not token.isalnum():
+        return False
+    path = os.path.join(_OWNERS_DIR, token)
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError:
-        return None
-    # the command name (field 2) is in parentheses and may hold spaces; start time is field 22
-    return f"{pid}.{stat[stat.rindex(b')') + 2 :].split()[19].decode()}"
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: the owner lives
+    finally:
+        os.close(fd)
+    return True
 
 
-def _owner_alive(owner: str) -> bool:
-    pid, _, _ = owner.partition(".")
-    return pid.isdigit() and _process_identity(int(pid)) == owner
+def _forget_gone_owners() -> None:
+    """Remove the lock files nobody holds (owners that ended, cleanly or not)."""
+    try:
+        names = os.listdir(_OWNERS_DIR)
+    except OSError:
+        return
+    for name in names:
+        if _owner_gone(name):
+            try:
+                os.unlink(os.path.join(_OWNERS_DIR, name))
+            except OSError:
+                pass
 
 
 def _jails() -> list[tuple[int, str]]:

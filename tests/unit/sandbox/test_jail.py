@@ -126,29 +126,32 @@ def test_peak_memory_of_a_run_that_is_killed_is_measured(jail):
 def test_jails_left_by_a_sandbox_that_died_are_killed_and_no_others(jail, monkeypatch):
     """A SIGKILLed service cannot kill its jails, and bwrap's --die-with-parent misses a bwrap killed while
     it sets up (its init lives on, orphaned, as long as the program runs). Orphans are made here by hand, as
-    processes carrying a jail's owner mark, because the race itself cannot be hit on demand."""
+    processes carrying a jail's owner token, because the race itself cannot be hit on demand."""
+    import fcntl
+    import os
     import subprocess
-    import sys
     import time
 
     import services.sandbox.jail as jail_module
 
     def owned_by(owner: str) -> subprocess.Popen:
-        return subprocess.Popen(["sleep", "1000"], env={"PATH": "/usr/bin:/bin", "SPARROW_JAIL_OWNER": owner})
+        return subprocess.Popen(["sleep", "1000"], env={"PATH": "/usr/bin:/bin", "JAIL_OWNER": owner})
 
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone_owner = jail_module._process_identity(gone.pid)
-    gone.wait()
-    living = subprocess.Popen(["sleep", "1000"])
-    living_owner = jail_module._process_identity(living.pid)
-    pid, _, start = living_owner.partition(".")
-    reused = f"{pid}.{int(start) + 1}"  # the pid lives on, in another process than the jail's owner
+    def lock_file(token: str) -> int:
+        fd = os.open(os.path.join(jail_module._OWNERS_DIR, token), os.O_RDWR | os.O_CREAT, 0o600)
+        return fd
+
+    os.makedirs(jail_module._OWNERS_DIR, exist_ok=True)
+    os.close(lock_file("0ffdead0"))  # an owner that ended: its lock file is free
+    held = lock_file("a11ve000")
+    fcntl.flock(held, fcntl.LOCK_EX)  # an owner that lives (another open file: the lock conflicts)
     procs = {
-        "orphan": owned_by(gone_owner),
-        "owner alive": owned_by(living_owner),
-        "pid reused": owned_by(reused),
+        "orphan": owned_by("0ffdead0"),
+        "orphan too": owned_by("0ffdead0"),
+        "owner alive": owned_by("a11ve000"),
+        "no lock file": owned_by("0000beef"),
         "ours": owned_by(jail.owner),
-        "garbled": owned_by("not-an-owner"),
+        "garbled": owned_by("../../etc"),
     }
     try:
         time.sleep(0.2)  # exec'd: their environ is readable
@@ -159,14 +162,17 @@ def test_jails_left_by_a_sandbox_that_died_are_killed_and_no_others(jail, monkey
             except subprocess.TimeoutExpired:
                 pass
         alive = {name for name, p in procs.items() if p.poll() is None}
-        assert alive == {"owner alive", "ours"}, killed
+        assert alive == {"owner alive", "no lock file", "ours", "garbled"}, killed
+        assert not os.path.exists(os.path.join(jail_module._OWNERS_DIR, "0ffdead0"))  # forgotten once free
         # Jail.run reaps too, at most every REAP_EVERY_S
-        later = procs["later"] = owned_by(gone_owner)
+        os.close(lock_file("0ffdead1"))
+        later = procs["later"] = owned_by("0ffdead1")
         time.sleep(0.2)
         monkeypatch.setattr(jail, "_reaped_at", time.monotonic() - jail_module.REAP_EVERY_S)
         assert run(jail, "print(1)").status == "ok"
         assert later.wait(timeout=2) == -9
     finally:
-        for p in [*procs.values(), living]:
+        os.close(held)
+        for p in procs.values():
             p.kill()
             p.wait()
