@@ -297,11 +297,13 @@ class AioServer:
         async def stop() -> None:
             if self.health is not None:
                 await self.health.enter_graceful_shutdown()
-            await self.server.stop(grace_s)
-            # Calls still open after the grace (a long-lived stream whose peer is going away too, as when every
-            # service of a run gets SIGTERM at once) are ended inside their own handlers, which grpc answers as
-            # CANCELLED without a word. Cancelling grpc's own scheduling tasks instead made it log a
-            # CancelledError traceback per call on what was a clean stop.
+            # grpc's own stop aborts what is left a second after our grace: first, calls still open at the
+            # grace (a long-lived stream whose peer is going away too, as when every service of a run gets
+            # SIGTERM at once) are ended inside their own handlers, which grpc answers as CANCELLED without a
+            # word. Cancelling grpc's own scheduling tasks instead made it log a CancelledError traceback per
+            # call on what was a clean stop; letting grpc's abort race ours made the count a matter of luck.
+            stopping = asyncio.ensure_future(self.server.stop(grace_s + 1.0))
+            await asyncio.wait([stopping], timeout=grace_s)
             calls = [t for t in self._guard.calls if not t.done()]
             for task in calls:
                 task.cancel()
@@ -309,6 +311,7 @@ class AioServer:
                 await asyncio.wait(calls, timeout=5.0)
                 log.info("ended %d call(s) still open after the %.1f s grace", len(calls), grace_s)
             self.ended_at_stop = len(calls)
+            await stopping
             # Whatever else still runs on the loop ends before the loop does: given a moment, then cancelled.
             rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             if rest:
