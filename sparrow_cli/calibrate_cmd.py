@@ -60,6 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=(0, 1),
         help="layers that stay dense, comma-separated, or 'none' (default 0,1 as in the paper)",
     )
+    p.add_argument("--sink-blocks", type=int, default=1, help="blocks always kept at the start (default 1)")
+    p.add_argument(
+        "--local-blocks", type=int, default=2, help="last blocks always kept, the current partial one included (2)"
+    )
     p.add_argument("--json", action="store_true", help="print the whole table and the fitted schedule as JSON")
     p.set_defaults(handler=run)
 
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     heldout = args.num_heldout or args.num_prompts
     try:
         for b in args.budgets:
-            Schedule(budgets=(b,))  # one clear message per bad budget
+            Schedule(budgets=(b,), sink_blocks=args.sink_blocks, local_blocks=args.local_blocks)  # one clear message
         model = load_model(args.model, device=args.device)
         tokenizer = load_tokenizer(args.model)
         if args.prompts:
@@ -134,7 +138,12 @@ def run(args: argparse.Namespace) -> int:
             min_bin_tokens=args.min_bin_tokens,
             batch_size=args.batch_size,
             backend=args.backend,
-            template=Schedule(budgets=(args.budgets[0],), dense_layers=args.dense_layers),
+            template=Schedule(
+                budgets=(args.budgets[0],),
+                dense_layers=args.dense_layers,
+                sink_blocks=args.sink_blocks,
+                local_blocks=args.local_blocks,
+            ),
         )
         if any(layer >= model.config.num_hidden_layers for layer in args.dense_layers):
             raise CliError(f"--dense-layers {args.dense_layers}: the model has {model.config.num_hidden_layers} layers")
@@ -179,6 +188,14 @@ def _print_tables(report: dict) -> None:
         rows.append(row)
     print(table(rows, header))
     print("(? = fewer tokens than --min-bin-tokens: reported, not used by the fit)")
+    rows = [
+        [str(run["budget"]), str(s["sequences"]), f"{s['mean_tokens']:.0f}", f"{s['acceptance_mean']:.3f}",
+         f"{s['acceptance_per_1k']:.3f}"]
+        for run in runs
+        if (s := run["sequences"])["sequences"]
+    ]  # fmt: skip
+    print("whole sequences, prod_t alpha_t (what p5 per token cannot see):")
+    print(table(rows, ["budget", "sequences", "mean tokens", "acceptance", "per 1K tokens"]))
     schedule = report["schedule"]
     print(f"fitted schedule, bin width {schedule.bin_width}, tau {report['settings']['tau']:g}: {schedule.compact()}")
     val = report["validation"]["bins"]

@@ -7,6 +7,11 @@ exact alpha decide: each bin takes the smallest budget whose p5 >= tau, and a ru
 the schedule non-decreasing (the cheapest one, if p5 rises with the budget). Bins with fewer than
 `min_bin_tokens` tokens are reported but do not constrain the fit. The fitted schedule is then
 validated by generating with it on held-out prompts.
+
+Per budget it also reports whole sequences: the mean over sequences of prod_t alpha_t (how likely a
+dense verifier is to accept a sparse sample token after token to its end) and the same per 1,000
+tokens. p5 per token cannot see a failure confined to fewer than 5% of the tokens, however often
+it derails a sequence (a structural copy every few dozen tokens, say); the sequence figure can.
 """
 
 from __future__ import annotations
@@ -59,6 +64,20 @@ class Measurement:
     alpha: torch.Tensor  # exact
     alpha_topk: torch.Tensor  # top-20 lower bound
     seconds: float
+    lengths: list[int] = field(default_factory=list)  # tokens of each sequence, in order (alpha is their concatenation)
+
+    def sequences(self) -> dict[str, Any]:
+        """Whole-sequence acceptance: the mean over sequences of prod_t alpha_t, and exp(1000 x mean log alpha)."""
+        if not self.lengths:
+            return {"sequences": 0, "mean_tokens": None, "acceptance_mean": None, "acceptance_per_1k": None}
+        logs = torch.log(self.alpha.double().clamp_min(1e-300))
+        per_seq = [float(part.sum().exp()) for part in torch.split(logs, self.lengths)]
+        return {
+            "sequences": len(self.lengths),
+            "mean_tokens": sum(self.lengths) / len(self.lengths),
+            "acceptance_mean": sum(per_seq) / len(per_seq),
+            "acceptance_per_1k": float((1000 * logs.mean()).exp()) if logs.numel() else None,
+        }
 
     def bins(self, settings: Settings) -> list[dict[str, Any]]:
         """Per populated bin: token count, whether trusted, and of exact and top-20 alpha side by side: p5, p1, mean,
@@ -94,7 +113,7 @@ def measure(
 ) -> Measurement:
     """Generate under `schedule` and compare every generated token's distribution with the dense one."""
     t0 = time.monotonic()
-    kv, exact, lower = [], [], []
+    kv, exact, lower, lengths = [], [], [], []
     for start in range(0, len(prompts), settings.batch_size):
         chunk = [list(p) for p in prompts[start : start + settings.batch_size]]
         gens = generate(
@@ -118,7 +137,8 @@ def measure(
             kv.append(g.scores.kv_lens.cpu())
             exact.append(alpha_exact(g.scores.full_logprobs, d.full_logprobs).cpu())
             lower.append(alpha_topk(g.scores.top_ids, g.scores.top_logprobs, d.top_ids, d.top_logprobs).cpu())
-    return Measurement(torch.cat(kv), torch.cat(exact), torch.cat(lower), time.monotonic() - t0)
+            lengths.append(int(exact[-1].numel()))
+    return Measurement(torch.cat(kv), torch.cat(exact), torch.cat(lower), time.monotonic() - t0, lengths)
 
 
 def fit(tables: dict[int, list[dict[str, Any]]], settings: Settings) -> tuple[Schedule, list[dict[str, Any]]]:
@@ -171,7 +191,12 @@ def calibrate(
         tables[budget] = m.bins(settings)
         runs.append({"budget": budget, "tokens": int(m.alpha.numel()), "seconds": round(m.seconds, 2)})
         runs[-1]["bins"] = tables[budget]
-        log(f"budget {budget}: {m.alpha.numel()} tokens in {m.seconds:.1f}s; p5 per bin " + _p5_text(tables[budget]))
+        runs[-1]["sequences"] = m.sequences()
+        log(
+            f"budget {budget}: {m.alpha.numel()} tokens in {m.seconds:.1f}s; p5 per bin "
+            + _p5_text(tables[budget])
+            + f"; {_sequence_text(runs[-1]['sequences'])}"
+        )
     schedule, notes = fit(tables, settings)
     log(f"fitted schedule (bin width {settings.bin_width}): {schedule.compact()}")
     m = measure(scorer, heldout, schedule, settings, eos_id)
@@ -179,7 +204,11 @@ def calibrate(
     for row in rows:
         row["budget"] = schedule.budgets[min(row["index"], schedule.num_bins - 1)]
         row["in_band"] = settings.tau - BAND_BELOW <= row["p5"] <= settings.tau + BAND_ABOVE
-    log(f"held-out with the fitted schedule: {m.alpha.numel()} tokens; p5 per bin " + _p5_text(rows))
+    log(
+        f"held-out with the fitted schedule: {m.alpha.numel()} tokens; p5 per bin "
+        + _p5_text(rows)
+        + f"; {_sequence_text(m.sequences())}"
+    )
     settings_dict = {k: v for k, v in asdict(settings).items() if k != "template"}
     settings_dict["budgets"] = sorted(settings.budgets)
     return {
@@ -189,8 +218,22 @@ def calibrate(
         "fixed_budgets": runs,
         "fit": notes,
         "schedule": schedule,
-        "validation": {"tokens": int(m.alpha.numel()), "seconds": round(m.seconds, 2), "bins": rows},
+        "validation": {
+            "tokens": int(m.alpha.numel()),
+            "seconds": round(m.seconds, 2),
+            "bins": rows,
+            "sequences": m.sequences(),
+        },
     }
+
+
+def _sequence_text(seq: dict[str, Any]) -> str:
+    if not seq["sequences"]:
+        return "no sequences"
+    return (
+        f"whole sequences ({seq['sequences']}, mean {seq['mean_tokens']:.0f} tokens): acceptance "
+        f"{seq['acceptance_mean']:.3f}, per 1K tokens {seq['acceptance_per_1k']:.3f}"
+    )
 
 
 def _p5_text(rows: list[dict[str, Any]]) -> str:

@@ -52,6 +52,10 @@ def test_calibrate_on_task_prompts_writes_a_schedule_and_a_plot(model_dir, tmp_p
     assert [run["budget"] for run in report["fixed_budgets"]] == [48, 64, 128]
     for run in report["fixed_budgets"]:
         assert run["tokens"] > 0
+        # whole sequences: prod_t alpha_t, which a failure in under 5% of the tokens still moves
+        seq = run["sequences"]
+        assert seq["sequences"] == 3 and seq["mean_tokens"] * 3 == pytest.approx(run["tokens"])
+        assert 0.0 <= seq["acceptance_mean"] <= 1.0 and 0.0 <= seq["acceptance_per_1k"] <= 1.0
         for row in run["bins"]:
             assert 0.0 <= row["p5_topk"] <= row["p5"] + 1e-6 <= 1.0 + 1e-6
             assert {"index", "kv_start", "tokens", "trusted", "mean", "mean_topk"} <= set(row)
@@ -77,6 +81,7 @@ def test_calibrate_on_a_prompt_file_skipping_bad_rows(model_dir, tmp_path, capsy
     assert "skipped" in out.err and "line 2: not valid JSON" in out.err
     assert "fitted schedule, bin width 32" in out.out and "held-out prompts with the fitted schedule" in out.out
     assert "held-out tail, exact / top-20 bound:" in out.out and "share alpha < 0.5" in out.out
+    assert "whole sequences, prod_t alpha_t" in out.out
     Schedule.load(tmp_path / "schedule.json")
 
 
@@ -89,6 +94,7 @@ def test_calibrate_on_a_prompt_file_skipping_bad_rows(model_dir, tmp_path, capsy
         (["--num-prompts", "0"], "--num-prompts must be >= 1"),
         (["--plot", "out.svg"], "--plot must name a .png file"),
         (["--dense-layers", "1,7"], "the model has 4 layers"),
+        (["--local-blocks", "3"], "below the 64 tokens"),
     ],
 )
 def test_bad_flags_are_one_line_errors(model_dir, tmp_path, capsys, change, fragment):
