@@ -236,3 +236,56 @@ def predict_speculative(prediction: CostPrediction, k: int, alpha: float) -> Spe
     verify = CostTerms((k + 1) * d.compute, d.memory)
     cost = CostTerms((k * s.compute + verify.compute) / e, (k * s.memory + verify.memory) / e)
     return SpeculativePrediction(k, alpha, e, verify, cost, d.total / cost.total)
+
+
+def decode_step_cost(
+    model: ModelSpec,
+    hardware: Hardware,
+    kv_len: int,
+    budget: int,
+    page_size: int = PAGE_SIZE,
+    dense_layers: int = 0,
+    queries: int = 1,
+) -> CostTerms:
+    """One sequence's decode step at KV length `kv_len`, in eFLOPs: `queries` positions over one KV read.
+
+    The paper's per-position terms for generated tokens, without the prompt's (a step reads one KV
+    cache, whoever wrote it): dense, compute 2P + 2rD L and memory 2D L per query; at a budget B < L,
+    the sparse layers' part D_s pays 2rD_s B + rD_s L / page of compute (the pages' centroid scores
+    included) and 2D_s B + D_s L / page of memory, while the `dense_layers` part D_d pays the dense
+    terms. `queries` > 1 is a verify pass: its compute `queries` times one step's, its KV read once.
+    A budget of 0, or one at least `kv_len`, is dense.
+    """
+    if kv_len < 1 or budget < 0 or queries < 1:
+        raise ValueError(f"kv_len and queries must be >= 1 and budget >= 0, got {kv_len}, {queries}, {budget}")
+    r, d = model.gqa_ratio, model.kv_dim
+    d_dense = min(dense_layers, model.num_layers) * model.num_kv_heads * model.head_dim
+    if budget == 0 or budget >= kv_len:
+        d_dense = d
+    d_sparse = d - d_dense
+    compute = 2 * model.params + 2 * r * d_dense * kv_len + d_sparse * (2 * r * budget + r * kv_len / page_size)
+    memory = 2 * d_dense * kv_len + d_sparse * (2 * budget + kv_len / page_size)
+    return CostTerms(queries * compute, hardware.flops_per_byte * hardware.bytes_per_element * memory)
+
+
+def speculative_step_speedup(
+    model: ModelSpec,
+    hardware: Hardware,
+    kv_len: int,
+    budget: int,
+    k: int,
+    alpha: float,
+    page_size: int = PAGE_SIZE,
+    dense_layers: int = 0,
+) -> float:
+    """Tokens per eFLOP of self-speculative decoding at KV length `kv_len` over dense decoding's, at one point.
+
+    A cycle is k draft steps at `budget` and one dense verify over k + 1 positions, and emits
+    (1 - alpha^(k+1)) / (1 - alpha) tokens on average; dense decoding emits one token a step. Above
+    1 the draft budget pays at this length; the lossless controller picks, per bin, the budget that
+    maximises it (its acceptance as measured there).
+    """
+    dense = decode_step_cost(model, hardware, kv_len, 0).total
+    draft = decode_step_cost(model, hardware, kv_len, budget, page_size, dense_layers).total
+    verify = decode_step_cost(model, hardware, kv_len, 0, queries=k + 1).total
+    return expected_tokens(alpha, k) * dense / (k * draft + verify)

@@ -125,6 +125,14 @@ def alpha_series(source: str) -> AlphaSeries:
     raise ValueError(f"alpha source must be one of {ALPHA_SOURCES}, got {source!r}")
 
 
+# The generators' speculative decoding (`engine.decode = "speculative"`), per bin of the draft step's KV
+# length; the lossless controller reads them. Counters are exposed with the _total suffix.
+GENERATOR_SCHEDULE_VERSION_GAUGE = "sparrow_generator_schedule_version"
+DRAFT_TOKENS_COUNTER = "sparrow_generator_draft_tokens"
+ACCEPTED_DRAFT_TOKENS_COUNTER = "sparrow_generator_accepted_draft_tokens"
+SPECULATIVE_CYCLES_COUNTER = "sparrow_generator_speculative_cycles"
+DRAFT_ALPHA_HISTOGRAM = "sparrow_generator_draft_alpha"  # sum_x min(p, q) at each drafted position
+
 SCHEDULE_KEY = "sparrow:schedule:current"
 SCHEDULE_HISTORY_KEY = "sparrow:schedule:history"
 SCHEDULE_UPDATES_CHANNEL = "sparrow:schedule:updates"

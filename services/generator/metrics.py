@@ -75,7 +75,7 @@ class GeneratorMetrics:
         )
         self.policy_version = Gauge("sparrow_generator_policy_version", "Policy version being served.", registry=r)
         self.adapter_version = Gauge("sparrow_generator_adapter_version", "Adapter version (0: none).", registry=r)
-        self.schedule_version = Gauge("sparrow_generator_schedule_version", "Schedule version in force.", registry=r)
+        self.schedule_version = Gauge(mc.GENERATOR_SCHEDULE_VERSION_GAUGE, "Schedule version in force.", registry=r)
         self.swaps = Counter(
             "sparrow_generator_swaps", "Hot swaps by kind and outcome.", ["kind", "outcome"], registry=r
         )
@@ -104,26 +104,26 @@ class GeneratorMetrics:
             "sparrow_generator_probe_sequences", "Finished sequences generated at probe budgets.", registry=r
         )
         self.draft_tokens = Counter(
-            "sparrow_generator_draft_tokens",
+            mc.DRAFT_TOKENS_COUNTER,
             "Speculative decoding: tokens the sparse draft proposed, per context-length bin of the draft step.",
             b,
             registry=r,
         )
         self.accepted_draft_tokens = Counter(
-            "sparrow_generator_accepted_draft_tokens",
+            mc.ACCEPTED_DRAFT_TOKENS_COUNTER,
             "Speculative decoding: drafts the dense verify accepted, per bin (over draft_tokens: the acceptance rate).",
             b,
             registry=r,
         )
         self.speculative_cycles = Counter(
-            "sparrow_generator_speculative_cycles",
+            mc.SPECULATIVE_CYCLES_COUNTER,
             "Speculative decoding: draft-and-verify cycles, per bin of their first draft (accepted drafts over "
             "cycles: the mean accepted length; each cycle also emits one token of the verify).",
             b,
             registry=r,
         )
         self.draft_alpha = Histogram(
-            "sparrow_generator_draft_alpha",
+            mc.DRAFT_ALPHA_HISTOGRAM,
             "Speculative decoding: sum_x min(p, q) of the dense and draft distributions at each drafted position.",
             b,
             buckets=mc.ALPHA_BUCKETS,
