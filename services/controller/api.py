@@ -30,8 +30,13 @@ class BinOut(BaseModel):
         description="no_data | waiting (data from an older budget) | few_tokens | fresh | "
         "confirming (under target but above tau: waiting for raise_min_readings) | at_max"
     )
-    p5: float | None = Field(description="The reading that decided (exact gauge or histogram quantile).")
-    estimate: float | None = Field(description="Running mean of p5 readings at this budget.")
+    p5: float | None = Field(
+        description="The reading that decided (exact gauge or histogram quantile; lossless mode: mean acceptance of "
+        "one draft over the window)."
+    )
+    estimate: float | None = Field(
+        description="Running mean of p5 readings at this budget (lossless mode: of the draft acceptance)."
+    )
     readings: int = Field(0, description="Distinct fresh readings since this budget was set.")
     noise: float | None = Field(
         None, description="Learned scatter (RMS) of one reading around its budget's mean; None before a repeat."
@@ -42,12 +47,19 @@ class BinOut(BaseModel):
     tokens: float
     source: str | None
     since_version: int = Field(description="Schedule version that set this budget.")
-    predicted_cheapest: int | None = Field(description="Cheapest budget the bin's fitted curve predicts holds target.")
+    predicted_cheapest: int | None = Field(
+        description="Cheapest budget the bin's fitted curve predicts holds target (lossless mode: the draft budget "
+        "predicted to give the most tokens per cost)."
+    )
+    predicted_gain: float | None = Field(
+        None, description="Lossless mode: predicted tokens per cost over dense decoding's at the bin's budget."
+    )
 
 
 class StatusOut(BaseModel):
     """The controller's state."""
 
+    mode: str = Field("tail", description="tail (lossy sparse rollouts: p5 >= tau) or lossless (speculative).")
     schedule: dict[str, Any] | None
     compact: str | None
     predicted_speedup: float | None

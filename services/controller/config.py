@@ -120,6 +120,54 @@ class RetuneConfig(ConfigSection):
         return self
 
 
+class LosslessConfig(ConfigSection):
+    """`mode = "lossless"`: per bin, the draft budget of speculative decoding that maximises tokens per unit cost.
+
+    The budgets move on `retune`'s grid and bounds (`min_budget`, `max_budget`, `budget_quantum`,
+    `steps_per_doubling`, `max_step_ratio`) and its memory (`average_readings`, `curve_memory_s`); tau,
+    margin and the probes do not apply.
+    """
+
+    speculative_tokens: int = Field(
+        6, ge=1, le=16, description="Drafts per cycle (k) the generators run (their engine.speculative_tokens)."
+    )
+    min_drafts: int = Field(2000, ge=1, description="Drafted positions a bin's reading needs before it is acted on.")
+    hold_s: float = Field(120.0, ge=0, description="Seconds of fresh readings at a budget before the bin may move.")
+    min_readings: int = Field(2, ge=1, description="Readings at a budget before the bin may move.")
+    min_gain: float = Field(
+        0.02,
+        ge=0,
+        lt=1,
+        description="A move needs a predicted tokens per cost at least this much (relative) above the current "
+        "budget's.",
+    )
+    rejection_ratio_per_doubling: float = Field(
+        0.6,
+        gt=0,
+        lt=1,
+        description="Assumed factor by which the share of rejected drafts (1 - acceptance) shrinks per doubling of "
+        "the draft budget, until a bin's own readings show it.",
+    )
+    min_rejection_ratio_per_doubling: float = Field(
+        0.95,
+        gt=0,
+        lt=1,
+        description="The weakest shrink per doubling used to extrapolate a bin's fitted curve.",
+    )
+    curve_reset_delta: float = Field(
+        0.5,
+        gt=0,
+        description="A fresh reading this far from the bin's fitted curve, in -ln(1 - acceptance), means the curve "
+        "moved: older points go (0.5: the share of rejections off by a factor 1.65).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LosslessConfig:
+        if self.min_rejection_ratio_per_doubling < self.rejection_ratio_per_doubling:
+            raise ValueError("min_rejection_ratio_per_doubling must be at least rejection_ratio_per_doubling")
+        return self
+
+
 class PrometheusConfig(ConfigSection):
     """Where and how the tail statistic is read."""
 
@@ -167,6 +215,12 @@ class ControllerConfig(SparrowConfig):
 
     renamed: ClassVar[dict[str, str]] = {"api.token": "security.token"}
 
+    mode: Literal["tail", "lossless"] = Field(
+        "tail",
+        description='What the controller serves: "tail" holds every bin\'s p5 of alpha above tau for lossy sparse '
+        'rollouts (the trainer\'s metrics); "lossless" picks the draft budgets that maximise throughput for '
+        "speculative rollouts (the generators' acceptance; see [lossless]).",
+    )
     initial_schedule: str = Field(
         "qwen3-1.7b-0.86", description="Preset name or schedule JSON file published when Redis holds none."
     )
@@ -181,10 +235,13 @@ class ControllerConfig(SparrowConfig):
     )
     cost: CostConfig = Field(default_factory=CostConfig, description="Cost model inputs for predicted speedup.")
     probe: ProbeConfig = Field(default_factory=ProbeConfig, description="Optional probe requests.")
+    lossless: LosslessConfig = Field(default_factory=LosslessConfig, description='`mode = "lossless"`: its rules.')
 
     @model_validator(mode="after")
     def _check_probe(self) -> ControllerConfig:
         # The trainer's probe gauges hold p5: a curve fitted to them does not describe another quantile.
         if self.probe.enabled and abs(self.retune.tail_quantile - mc.TAIL_QUANTILE) > 1e-12:
             raise ValueError(f"probes read p5; they need retune.tail_quantile = {mc.TAIL_QUANTILE:g}")
+        if self.probe.enabled and self.mode == "lossless":
+            raise ValueError("probes measure a lossy budget's tail; mode = 'lossless' has none: drop probe.enabled")
         return self

@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from services.controller.config import ControllerConfig
+from services.controller.lossless import LosslessRetuner
 from services.controller.metrics import ControllerMetrics
 from services.controller.prometheus_source import PrometheusSource, PrometheusUnavailable
 from services.controller.publisher import SchedulePublisher, StoreError, VersionConflict, validated
@@ -33,6 +34,7 @@ class ControlLoop:
         initial: Schedule,
         speedup_of: Callable[[Schedule], float],
         clock: Callable[[], float] = time.time,
+        retuner: Retuner | LosslessRetuner | None = None,
     ) -> None:
         self.config = config
         self.publisher = publisher
@@ -40,7 +42,8 @@ class ControlLoop:
         self.initial = initial
         self.speedup_of = speedup_of
         self.clock = clock
-        self.retuner = Retuner(config.retune, config.prometheus.window_s)
+        self.retuner = retuner or Retuner(config.retune, config.prometheus.window_s)
+        self.lossless = isinstance(self.retuner, LosslessRetuner)
         self.metrics = ControllerMetrics()
         self.metrics.target.set(config.retune.target)
         self.schedule: Schedule | None = None
@@ -94,7 +97,11 @@ class ControlLoop:
             self.metrics.blind.set(int(self.blind))
             proposal = self.retuner.step(schedule, None if self.blind else snapshot, now)
             self.bins = proposal.bins
-            self.metrics.show_estimates({s.bin: s.estimate for s in proposal.bins if s.estimate is not None})
+            if self.lossless:
+                self.metrics.show_draft_estimates(proposal.bins)
+                self._refresh_speedup()
+            else:
+                self.metrics.show_estimates({s.bin: s.estimate for s in proposal.bins if s.estimate is not None})
             if self.blind != self._logged_blind:  # transitions only: an outage is one line, not one per tick
                 self._logged_blind = self.blind
                 if self.blind:
@@ -221,6 +228,12 @@ class ControlLoop:
             self.probe = probe
             log.info("probe request: %s", probe if probe else "none")
 
+    def _refresh_speedup(self) -> None:
+        """Lossless mode: the predicted speedup rests on the measured acceptance, which moves between publishes."""
+        if self.schedule is not None:
+            self.speedup = self._speedup(self.schedule)
+            self.metrics.show_schedule(self.schedule.budgets, self.schedule.version, self.speedup)
+
     def _speedup(self, schedule: Schedule) -> float:
         try:
             return self.speedup_of(schedule)
@@ -256,9 +269,10 @@ class ControlLoop:
         bins = []
         for b in self.bins:
             entry = asdict(b)
-            entry["headroom"] = None if b.estimate is None else b.estimate - c.target
+            entry["headroom"] = None if b.estimate is None or self.lossless else b.estimate - c.target
             bins.append(entry)
         return {
+            "mode": self.config.mode,
             "schedule": s.to_dict() if s else None,
             "compact": s.compact() if s else None,
             "predicted_speedup": self.speedup if self.speedup is not None and math.isfinite(self.speedup) else None,

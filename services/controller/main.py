@@ -19,9 +19,9 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
     """The control loop with its Redis publisher, Prometheus source, initial schedule and cost model."""
     import redis.asyncio as aioredis
 
-    from services.controller.prometheus_source import PrometheusSource
+    from services.controller.prometheus_source import DraftSource, PrometheusSource
     from services.controller.publisher import SchedulePublisher
-    from sparrow.cost import predict
+    from sparrow.cost import predict, predict_speculative
     from sparrow.hardware import HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
     from sparrow.presets import resolve_schedule
@@ -42,13 +42,47 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
 
     p = config.prometheus
     r = config.retune
+    client = aioredis.from_url(config.redis.url, socket_timeout=5, socket_connect_timeout=5)
+    publisher = SchedulePublisher(client, config.redis.history_limit)
+    if config.mode == "lossless":
+        retuner = lossless_retuner(config, model, hardware)
+
+        def speculative_speedup_of(schedule):
+            alpha = retuner.mean_acceptance()  # nothing measured yet: no prediction (NaN)
+            if alpha is None:
+                return float("nan")
+            return predict_speculative(predict_schedule(schedule), config.lossless.speculative_tokens, alpha).speedup
+
+        def predict_schedule(schedule):
+            return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples)
+
+        source = DraftSource(p.url, p.window_s, p.timeout_s, p.max_age_s)
+        return ControlLoop(config, publisher, source, initial, speculative_speedup_of, retuner=retuner)
     source = PrometheusSource(
         p.url, p.window_s, p.timeout_s, p.max_age_s, probes=config.probe.enabled, quantile=r.tail_quantile,
         alpha=r.alpha,
     )  # fmt: skip
-    client = aioredis.from_url(config.redis.url, socket_timeout=5, socket_connect_timeout=5)
-    publisher = SchedulePublisher(client, config.redis.history_limit)
     return ControlLoop(config, publisher, source, initial, speedup_of)
+
+
+def lossless_retuner(config: ControllerConfig, model, hardware):
+    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length."""
+    from services.controller.lossless import LosslessRetuner
+    from sparrow.cost import speculative_step_speedup
+
+    k = config.lossless.speculative_tokens
+
+    def gain(schedule, index, budget, alpha):
+        if alpha is None:
+            return float("nan")
+        start, end = schedule.bin_range(index)
+        kv = (start + (end if end is not None else start + schedule.bin_width)) // 2
+        if budget >= kv:  # the draft reads the whole KV: it is the dense policy
+            alpha = 1.0
+        dense_layers = sum(1 for layer in schedule.dense_layers if layer < model.num_layers)
+        return speculative_step_speedup(model, hardware, max(kv, 1), budget, k, alpha, schedule.page_size, dense_layers)
+
+    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain)
 
 
 def serve(config: ControllerConfig) -> None:

@@ -25,6 +25,18 @@ class ControllerMetrics:
             [mc.BIN_LABEL],
             registry=r,
         )
+        self.draft_alpha = Gauge(
+            "sparrow_controller_draft_alpha",
+            "Lossless mode: mean acceptance of one draft per bin at its budget (the running estimate).",
+            [mc.BIN_LABEL],
+            registry=r,
+        )
+        self.bin_gain = Gauge(
+            "sparrow_controller_bin_predicted_gain",
+            "Lossless mode: predicted tokens per cost of speculative decoding over dense, per bin at its budget.",
+            [mc.BIN_LABEL],
+            registry=r,
+        )
         self.target = Gauge("sparrow_controller_alpha_target", "The p5 every bin must hold: tau + margin.", registry=r)
         self.speedup = Gauge(
             "sparrow_controller_predicted_speedup", "Cost model's rollout speedup of the current schedule.", registry=r
@@ -60,6 +72,15 @@ class ControllerMetrics:
         """The per-bin p5 estimates of the last tick (bins without one keep their last value)."""
         for i, value in estimates.items():
             self.alpha_p5.labels(**{mc.BIN_LABEL: mc.bin_label(i)}).set(value)
+
+    def show_draft_estimates(self, bins: list) -> None:
+        """Lossless mode: each bin's acceptance estimate and predicted gain (bins without one keep their last)."""
+        for status in bins:
+            label = {mc.BIN_LABEL: mc.bin_label(status.bin)}
+            if status.estimate is not None:
+                self.draft_alpha.labels(**label).set(status.estimate)
+            if status.predicted_gain is not None:
+                self.bin_gain.labels(**label).set(status.predicted_gain)
 
     def exposition(self) -> bytes:
         """The text exposition format of every metric here."""

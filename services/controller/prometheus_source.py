@@ -14,7 +14,7 @@ import re
 
 import httpx
 
-from services.controller.readings import BinReading, Snapshot
+from services.controller.readings import BinReading, DraftReading, Snapshot
 from sparrow import metrics_contract as mc
 
 # A bin label as the trainer writes it (`mc.bin_label`). Any other label value, which a foreign series may
@@ -149,6 +149,57 @@ class PrometheusSource:
                 probe_tokens=per_bin.get("probe_tokens", {}).get(index, 0.0),
             )
         return Snapshot(trainer_version=version, bins=bins, trainer_steps=steps)
+
+
+def draft_queries(window_s: float) -> dict[str, str]:
+    """The PromQL of lossless mode: the generators' speculative counters per bin over the window W."""
+    w = f"{max(1, round(window_s))}s"
+
+    def increase(name: str) -> str:
+        return f"sum by ({mc.BIN_LABEL}) (increase({name}[{w}]))"
+
+    return {
+        "alpha_sum": increase(f"{mc.DRAFT_ALPHA_HISTOGRAM}_sum"),
+        "alpha_count": increase(f"{mc.DRAFT_ALPHA_HISTOGRAM}_count"),
+        "drafts": increase(f"{mc.DRAFT_TOKENS_COUNTER}_total"),
+        "accepted": increase(f"{mc.ACCEPTED_DRAFT_TOKENS_COUNTER}_total"),
+        "cycles": increase(f"{mc.SPECULATIVE_CYCLES_COUNTER}_total"),
+        "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({mc.DRAFT_TOKENS_COUNTER}_total))",
+        "version": f"min({mc.GENERATOR_SCHEDULE_VERSION_GAUGE})",
+    }
+
+
+class DraftSource(PrometheusSource):
+    """Lossless mode's `read()`: the generators' draft acceptance per bin over the window.
+
+    A bin is left out when its counters are stale, when it drafted nothing in the window, or when its
+    mean acceptance is not a ratio in [0, 1] (a foreign or broken series).
+    """
+
+    def __init__(self, url: str, window_s: float, timeout_s: float, max_age_s: float) -> None:
+        super().__init__(url, window_s, timeout_s, max_age_s)
+        self.queries = draft_queries(window_s)
+
+    async def read(self, now: float) -> Snapshot:
+        """The generators' readings per bin at time `now`, and the oldest schedule version they run."""
+        names = list(self.queries)
+        results = await asyncio.gather(*(self.query(self.queries[n], at=now) for n in names))
+        by_name = dict(zip(names, results, strict=True))
+        per_bin = {name: _by_bin(series) for name, series in by_name.items() if name != "version"}
+        version_series = by_name["version"]
+        version = int(version_series[0][1]) if version_series and math.isfinite(version_series[0][1]) else None
+        bins: dict[int, DraftReading] = {}
+        for index, age in per_bin["age"].items():
+            count = per_bin["alpha_count"].get(index, 0.0)
+            if age > self.max_age_s or not 0.0 < count <= MAX_TOKENS:
+                continue
+            alpha = per_bin["alpha_sum"].get(index, math.nan) / count
+            if not 0.0 <= alpha <= 1.0 + 1e-9:
+                continue
+            counts = [per_bin[n].get(index, 0.0) for n in ("drafts", "accepted", "cycles")]
+            drafts, accepted, cycles = (min(max(c, 0.0), MAX_TOKENS) for c in counts)
+            bins[index] = DraftReading(min(alpha, 1.0), max(drafts, count), accepted, cycles)
+        return Snapshot(trainer_version=version, bins=bins)
 
 
 def _is_label_set(labels: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from typing import Any
 
@@ -84,7 +85,10 @@ class SchedulePublisher:
                     "reason": reason,
                     "source": source,
                     "decisions": decisions or [],
-                    "predicted_speedup": predicted_speedup,
+                    # None, not NaN, when the cost model had no prediction: history is read as strict JSON too
+                    "predicted_speedup": predicted_speedup
+                    if predicted_speedup is not None and math.isfinite(predicted_speedup)
+                    else None,
                     "time": time.time(),
                 }
                 text = json.dumps(new.to_dict())

@@ -19,6 +19,20 @@ class BinReading:
 
 
 @dataclass(frozen=True)
+class DraftReading:
+    """What Prometheus showed of one bin's speculative decoding over the window (lossless mode).
+
+    `alpha` is the mean of sum_x min(p, q) over the drafted positions: the acceptance probability
+    of one draft. `accepted` over `cycles` is the mean accepted length.
+    """
+
+    alpha: float
+    drafts: float
+    accepted: float = 0.0
+    cycles: float = 0.0
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """One read of the trainer's metrics: the oldest schedule version behind them, and readings per bin.
 
@@ -26,8 +40,8 @@ class Snapshot:
     from a trainer without the counter: a reading is new when its values changed).
     """
 
-    trainer_version: int | None
-    bins: dict[int, BinReading]
+    trainer_version: int | None  # in lossless mode: the oldest version the generators run
+    bins: dict[int, BinReading] | dict[int, DraftReading]
     trainer_steps: int | None = None
 
 
@@ -59,7 +73,8 @@ class BinStatus:
     tokens: float = 0.0
     source: str | None = None
     since_version: int = 0
-    predicted_cheapest: int | None = None
+    predicted_cheapest: int | None = None  # lossless mode: the budget predicted to pay most
+    predicted_gain: float | None = None  # lossless mode: tokens per cost over dense's at the current budget
 
 
 @dataclass(frozen=True)

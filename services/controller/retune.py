@@ -114,7 +114,7 @@ class Retuner:
             move = self._decide(state, status, p5, estimate, now)
             if move is not None:
                 desired[i], reasons[i] = move
-        return _finish(schedule, desired, reasons, statuses)
+        return finish_proposal(schedule, desired, reasons, statuses)
 
     def probe_budgets(self, schedule: Schedule, ratio: float) -> dict[int, int]:
         """Budgets to probe, for bins that hold the target with no observation below target under their budget.
@@ -288,7 +288,9 @@ def _held(since: float | None, count: int, now: float, c: RetuneConfig) -> bool:
     return since is not None and now - since >= c.lower_hold_s and count >= c.lower_min_readings
 
 
-def _finish(schedule: Schedule, desired: list[int], reasons: dict[int, str], statuses: list[BinStatus]) -> Proposal:
+def finish_proposal(
+    schedule: Schedule, desired: list[int], reasons: dict[int, str], statuses: list[BinStatus]
+) -> Proposal:
     """Repair `desired` into a non-decreasing schedule and name every change's reason.
 
     A bin no sequence reaches (no data at all, such as the bins shorter than every prompt) follows

@@ -192,10 +192,9 @@ class UpConfig(SparrowConfig):
 
     @property
     def uses_controller(self) -> bool:
-        """Only lossy sparse rollouts have a tail to hold: a dense run has no schedule to tune, and the
-        lossless controller of speculative runs (throughput per draft budget) is not built yet, so their
-        schedule stays the starting one."""
-        return self.with_controller and self.decode == "sparse"
+        """Sparse rollouts have a tail to hold, speculative ones draft budgets to tune for throughput (the
+        controller's lossless mode); a dense run has no schedule to tune."""
+        return self.with_controller and self.decode in ("sparse", "speculative")
 
     def cluster_token(self) -> str | None:
         """The configured service token, or None (the launcher makes one)."""

@@ -132,7 +132,8 @@ def read_schedule(redis_client) -> tuple[dict | None, float | None]:
         entry = json.loads(last) if last else None
         if isinstance(entry, dict) and isinstance(schedule, dict) and entry.get("version") == schedule.get("version"):
             value = entry.get("predicted_speedup")
-            speedup = float(value) if isinstance(value, int | float) else None
+            # NaN: the publisher had no prediction (a lossless controller before its first acceptance reading)
+            speedup = float(value) if isinstance(value, int | float) and math.isfinite(value) else None
     except ValueError:
         pass
     return (schedule if isinstance(schedule, dict) else None), speedup

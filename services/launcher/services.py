@@ -245,9 +245,18 @@ def resolve(
                 "prometheus": {"url": prometheus_url(up, ports)},
                 "api": {"port": ports.controller},
                 "retune": {"tau": up.tau},
+                **_lossless(up, generators),
             },
         )
     return ChildConfigs(trainer, generators, controller)
+
+
+def _lossless(up: UpConfig, generators) -> dict[str, Any]:
+    """A speculative run's controller serves throughput (lossless mode) with the generators' k."""
+    if up.decode != "speculative":
+        return {}
+    k = generators[0].engine.speculative_tokens
+    return {"mode": "lossless", "lossless": {"speculative_tokens": k}}
 
 
 def resolve_sandbox(up: UpConfig, port: int) -> SandboxConfig:

@@ -98,10 +98,17 @@ def test_one_decode_switch_the_old_dense_key_reads_as_it_with_a_deprecation_line
     assert UpConfig(dense=False).decode == "sparse"
     with pytest.raises(ValueError, match="disagree"):
         UpConfig(dense=True, generator={"engine": {"decode": "speculative"}})
-    # speculative runs keep their starting schedule: the lossless controller is not built yet
     speculative = UpConfig(engine="reference", generator={"engine": {"decode": "speculative"}})
-    assert not speculative.uses_controller and not speculative.dense and UpConfig().uses_controller
+    assert speculative.uses_controller and not speculative.dense and UpConfig().uses_controller
     assert speculative.with_decode("dense").dense and speculative.with_decode("dense").engine == "reference"
+    assert not speculative.with_decode("dense").uses_controller
+
+
+def test_a_speculative_run_gets_the_lossless_controller_with_the_generators_k(tmp_path):
+    up = UpConfig(engine="reference", generator={"engine": {"decode": "speculative", "speculative_tokens": 4}})
+    controller = _resolve(up, tmp_path).controller
+    assert controller.mode == "lossless" and controller.lossless.speculative_tokens == 4
+    assert _resolve(UpConfig(), tmp_path).controller.mode == "tail"
 
 
 def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):

@@ -101,8 +101,9 @@ def test_no_report_without_a_run_or_without_steps(tmp_path):
 
 
 def _eval_round(n: int, step: int, avg: float) -> dict:
-    return {"round": n, "mode": "dense", "step": step, "policy_version": step + 1, "k": 1, "prompts": 8, "complete": True, "dense": True,
-            "sources": {"chain": {"avg@1": avg, "pass@1": avg}}, "seconds": 3.0}  # fmt: skip
+    return {"round": n, "mode": "dense", "step": step, "policy_version": step + 1, "k": 1, "prompts": 8,
+            "complete": True, "dense": True, "sources": {"chain": {"avg@1": avg, "pass@1": avg}},
+            "seconds": 3.0}  # fmt: skip
 
 
 def test_the_comparison_reports_the_measured_speedup_and_both_accuracies(tmp_path):

@@ -1,0 +1,195 @@
+"""The controller in lossless mode: per bin, the draft budget that makes speculative rollouts cheapest.
+
+With `engine.decode = "speculative"` every emitted token is the dense policy's, whatever the draft
+budget: there is no tail to hold, only throughput to win. A cycle of k drafts at budget B emits
+(1 - a^(k+1)) / (1 - a) tokens on average, where a, the mean acceptance of one draft, grows with B,
+and costs k draft steps at B plus one dense verify over k + 1 positions. A small budget makes drafts
+cheap and rejected; a large one makes them accepted and dear. The cost model prices both
+(`sparrow.cost.speculative_step_speedup` at the bin's middle KV length); the generators measure a
+per bin (`sparrow_generator_draft_alpha`).
+
+Acceptance is learned as y = -ln(1 - a), the log of how rarely a draft is rejected: the attention mass
+a budget misses, and with it the rejections, falls by about a constant factor per doubling of the
+budget, so y is close to linear in log2(budget) where a itself flattens out near 1.
+
+Each tick, for every bin whose reading was made under its current budget (the generators run the
+schedule version that set it, and a whole window has passed since, so the window holds no drafts of
+the old budget) and covers `min_drafts` drafted positions, the reading joins the bin's memory (one
+per window: overlapping windows would count the same drafts twice). Its acceptance-vs-budget curve
+is the same monotone fit of y in log2(budget) as the tail mode's p5 curve (`curve.py`, `memory.py`):
+more budget never makes the draft farther from the dense policy; beyond the observed budgets it is
+extrapolated with the slope `rejection_ratio_per_doubling` implies. Once the bin has held its
+budget for `hold_s` and `min_readings` readings, it moves to the grid budget within
+`max_step_ratio` whose predicted tokens per cost is highest, if that beats the current budget's
+(fitted at its own readings) by `min_gain`. A budget tried and found worse than predicted keeps
+its reading, so the bin does not go back to it while the curve holds. The schedule is then
+repaired non-decreasing, as in tail mode.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from services.controller.config import LosslessConfig, RetuneConfig
+from services.controller.curve import Point
+from services.controller.memory import BinMemory
+from services.controller.readings import BinStatus, DraftReading, Proposal, Snapshot
+from services.controller.retune import finish_proposal
+from sparrow.schedule import Schedule
+
+# gain(schedule, bin index, draft budget, acceptance) -> tokens per cost over dense decoding's in that bin
+GainModel = Callable[[Schedule, int, int, float], float]
+# Acceptance is kept below 1 by this much on the y scale (a reading of exactly 1 would be infinitely far).
+MAX_ACCEPTANCE = 1.0 - 1e-6
+
+
+def to_y(alpha: float) -> float:
+    """The curve's scale: -ln(1 - alpha)."""
+    return -math.log1p(-min(alpha, MAX_ACCEPTANCE))
+
+
+def to_alpha(y: float) -> float:
+    """Back from the curve's scale to an acceptance in [0, 1]."""
+    return -math.expm1(-max(y, 0.0))
+
+
+@dataclass
+class _Bin:
+    budget: int
+    since_version: int  # the schedule version that set this budget: drafts counted before it are another's
+    memory: BinMemory
+    fresh_since: float | None = None
+    last_reading: float | None = None  # when the last reading joined the memory
+    readings: int = 0  # readings at this budget since it was set
+
+
+class LosslessRetuner:
+    """Per-bin acceptance curves and the throughput rule above; pure logic, driven by readings and the clock."""
+
+    def __init__(self, retune: RetuneConfig, lossless: LosslessConfig, window_s: float, gain: GainModel) -> None:
+        self.config, self.lossless = retune, lossless
+        self.window_s = window_s
+        self.gain = gain
+        self.grid = retune.grid
+        self.prior_slope = -math.log(lossless.rejection_ratio_per_doubling)
+        self.min_slope = -math.log(lossless.min_rejection_ratio_per_doubling)
+        self._bins: list[_Bin] = []
+        self._shape: tuple[int, int, int] | None = None
+
+    def sync(self, schedule: Schedule) -> None:
+        """Follow `schedule`: a bin whose budget moved waits for readings of the new one."""
+        shape = (schedule.num_bins, schedule.bin_width, schedule.page_size)
+        if shape != self._shape:
+            self._shape = shape
+            c, reset = self.config, self.lossless.curve_reset_delta
+            self._bins = [
+                _Bin(b, schedule.version, BinMemory(c.average_readings, reset, c.curve_memory_s))
+                for b in schedule.budgets
+            ]
+            return
+        for state, budget in zip(self._bins, schedule.budgets, strict=True):
+            if budget != state.budget:
+                state.budget, state.since_version = budget, schedule.version
+                state.fresh_since = state.last_reading = None
+                state.readings = 0
+
+    def points(self, index: int) -> list[Point]:
+        """The observations behind bin `index`'s curve (budget, mean -ln(1 - acceptance))."""
+        return list(self._bins[index].memory.points)
+
+    def acceptance(self, index: int, budget: int) -> float | None:
+        """Bin `index`'s fitted acceptance at `budget`, in [0, 1] (None before its first reading)."""
+        memory = self._bins[index].memory
+        if not memory.points:
+            return None
+        return to_alpha(memory.curve(self.prior_slope, self.min_slope).predict(budget))
+
+    def mean_acceptance(self) -> float | None:
+        """The drafts-weighted mean of the bins' acceptance at their current budgets (None before any reading)."""
+        pairs = [(self.acceptance(i, s.budget), p.weight) for i, s in enumerate(self._bins)
+                 for p in s.memory.points if p.budget == s.budget]  # fmt: skip
+        total = sum(w for _, w in pairs)
+        return sum(a * w for a, w in pairs) / total if total > 0 else None
+
+    def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
+        """Observe `snapshot` (None: blind) at time `now` and propose the next draft budgets for `schedule`."""
+        self.sync(schedule)
+        statuses, desired, reasons = [], list(schedule.budgets), {}
+        for i, state in enumerate(self._bins):
+            status = BinStatus(bin=i, budget=state.budget, since_version=state.since_version)
+            statuses.append(status)
+            reading = snapshot.bins.get(i) if snapshot is not None else None
+            if not isinstance(reading, DraftReading):
+                continue
+            if not self._fresh(state, status, reading, snapshot.trainer_version, now):
+                continue
+            if state.last_reading is None or now - state.last_reading >= self.window_s:
+                point = Point(state.budget, to_y(reading.alpha), reading.drafts, now)
+                state.memory.add(point, now, self.prior_slope, self.min_slope)
+                state.last_reading, state.readings = now, state.readings + 1
+            status.estimate = to_alpha(state.memory.mean(state.budget))
+            status.readings, status.noise = state.readings, state.memory.noise
+            move = self._decide(schedule, i, state, status, now)
+            if move is not None:
+                desired[i], reasons[i] = move
+        return finish_proposal(schedule, desired, reasons, statuses)
+
+    def probe_budgets(self, schedule: Schedule, ratio: float) -> dict[int, int]:
+        """No probes in lossless mode: a budget is tried by the bin itself, at no risk to the samples."""
+        return {}
+
+    def _fresh(self, state: _Bin, status: BinStatus, r: DraftReading, version: int | None, now: float) -> bool:
+        status.p5, status.tokens = r.alpha, r.drafts  # the reading (mean acceptance) and what it covers
+        if version is None or version < state.since_version:
+            status.state, state.fresh_since = "waiting", None
+            return False
+        if state.fresh_since is None:
+            state.fresh_since = now
+        # increase(...[W]) still counts drafts of the old budget until W has passed since the generators took it.
+        if now - state.fresh_since < self.window_s:
+            status.state = "waiting"
+            return False
+        if r.drafts < self.lossless.min_drafts:
+            status.state = "few_tokens"
+            return False
+        status.state, status.source = "fresh", "drafts"
+        return True
+
+    def _candidates(self, schedule: Schedule, index: int, budget: int) -> list[int]:
+        c = self.config
+        # A budget over the bin's KV drafts densely: lowering it to the KV changes nothing, so steps count from there.
+        start, end = schedule.bin_range(index)
+        kv = (start + (end if end is not None else start + schedule.bin_width)) // 2
+        low = max(c.min_budget, self.grid.up(min(budget, kv) / c.max_step_ratio))
+        high = min(c.max_budget, budget * c.max_step_ratio)
+        out, b = [], low
+        while b <= high:
+            out.append(b)
+            b = self.grid.next_above(b)
+        return out
+
+    def _decide(self, schedule: Schedule, index: int, state: _Bin, status: BinStatus, now: float):
+        b, cfg = state.budget, self.lossless
+        gains = {}
+        for candidate in sorted(set(self._candidates(schedule, index, b)) | {b}):
+            gain = self.gain(schedule, index, candidate, self.acceptance(index, candidate))
+            if math.isfinite(gain):
+                gains[candidate] = gain
+        if b not in gains:
+            return None
+        best = max(gains, key=lambda x: (gains[x], -abs(math.log2(x / b))))  # ties: the nearest budget
+        status.predicted_cheapest, status.predicted_gain = best, gains[b]
+        held = state.readings >= cfg.min_readings and now - state.fresh_since >= self.window_s + cfg.hold_s
+        if not held:
+            status.state = "confirming"
+            return None
+        if best == b or gains[best] <= gains[b] * (1 + cfg.min_gain):
+            return None
+        a_now, a_best = self.acceptance(index, b), self.acceptance(index, best)
+        how = (
+            f"acceptance {a_now:.4f} at {b} -> {a_best:.4f} predicted at {best}, "
+            f"tokens per cost {gains[b]:.3f}x -> {gains[best]:.3f}x dense"
+        )
+        return best, f"{'raise' if best > b else 'lower'}: {how}"

@@ -1,0 +1,138 @@
+"""Lossless mode's rule, driven by synthetic acceptance curves and a fake clock, priced by the real cost model."""
+
+import math
+
+import pytest
+
+from services.controller.config import ControllerConfig
+from services.controller.main import lossless_retuner
+from services.controller.readings import DraftReading, Snapshot
+from sparrow.hardware import get_hardware
+from sparrow.models import resolve_model
+from sparrow.schedule import Schedule
+
+WINDOW = 5
+MODEL, HARDWARE = resolve_model("qwen3-1.7b"), get_hardware("h200")
+
+
+def config(**lossless):
+    return ControllerConfig.model_validate(
+        {"mode": "lossless", "lossless": {"hold_s": 10, **lossless}, "prometheus": {"window_s": WINDOW}}
+    )
+
+
+def acceptance(b0, floor=0.5):
+    """Mean acceptance of one draft at budget b: 1 - 0.03 (b0 / b)^0.7, so a = 0.97 at b0; at least `floor`."""
+    return lambda b: max(floor, 1.0 - 0.03 * (b0 / b) ** 0.7)
+
+
+class Fleet:
+    """The retuner + generators that report curves[i](budget) once the schedule is in force + a clock."""
+
+    def __init__(self, cfg, budgets, bin_width=4096):
+        self.cfg = cfg
+        self.r = lossless_retuner(cfg, MODEL, HARDWARE)
+        self.schedule = Schedule(budgets=tuple(budgets), bin_width=bin_width)
+        self.now, self.publishes, self.running = 0.0, 0, self.schedule.version
+        self.drafts = 6000
+
+    def tick(self, curves, seconds=1.0):
+        self.now += seconds
+        bins = {i: DraftReading(curves[i](b), self.drafts) for i, b in enumerate(self.schedule.budgets)}
+        proposal = self.r.step(self.schedule, Snapshot(self.running, bins), self.now)
+        self.running = self.schedule.version  # the generators take a new schedule within a tick
+        if proposal.changed:
+            self.schedule = self.schedule.with_budgets(proposal.budgets)
+            self.schedule = Schedule(**{**self.schedule.to_dict(), "version": self.schedule.version + 1})
+            self.publishes += 1
+        return proposal
+
+    def gain(self, index, budget, curves):
+        return self.r.gain(self.schedule, index, budget, curves[index](budget))
+
+
+def best_budgets(fleet, curves):
+    """Per bin, the grid budget in the bounds with the highest true gain (before the non-decreasing repair)."""
+    c, out = fleet.cfg.retune, []
+    for i in range(len(curves)):
+        b, best = c.min_budget, None
+        while b <= c.max_budget:
+            if best is None or fleet.gain(i, b, curves) > fleet.gain(i, best, curves):
+                best = b
+            b = c.grid.next_above(b)
+        out.append(best)
+    return out
+
+
+def test_each_bin_converges_near_its_best_draft_budget_and_stays():
+    cfg = config()
+    curves = [acceptance(b0) for b0 in (600, 1200, 2500, 4000, 6000)]
+    fleet = Fleet(cfg, [4096] * 5)
+    for _ in range(600):
+        fleet.tick(curves)
+    want = best_budgets(fleet, curves)
+    got = fleet.schedule.budgets
+    for i, (b, w) in enumerate(zip(got, want, strict=True)):
+        # Within 2% of the best bin's gain (the fit between grid points and min_gain leave it that close).
+        assert fleet.gain(i, b, curves) >= 0.98 * fleet.gain(i, w, curves), (i, got, want)
+    assert all(fleet.gain(i, b, curves) > 1.2 for i, b in enumerate(got) if i >= 1)
+    settled = fleet.publishes
+    for _ in range(300):
+        fleet.tick(curves)
+    assert fleet.publishes == settled  # no hopping once there
+    assert list(got) == sorted(got)
+
+
+def test_a_drop_in_acceptance_moves_the_budget_up_and_the_bin_settles_again():
+    cfg = config()
+    fleet = Fleet(cfg, [1024, 2048], bin_width=16384)
+    good = [acceptance(400), acceptance(800)]
+    for _ in range(500):
+        fleet.tick(good)
+    before = fleet.schedule.budgets
+    worse = [acceptance(3000), acceptance(30000)]  # the policy moved: drafts at the same budget agree less
+    for _ in range(800):
+        fleet.tick(worse)
+    after = fleet.schedule.budgets
+    assert after[1] > before[1]
+    want = best_budgets(fleet, worse)
+    assert fleet.gain(1, after[1], worse) >= 0.97 * fleet.gain(1, want[1], worse)
+
+
+def test_readings_under_an_older_schedule_or_the_first_window_or_few_drafts_move_nothing():
+    cfg = config()
+    r = lossless_retuner(cfg, MODEL, HARDWARE)
+    s = Schedule(budgets=(4096, 4096), bin_width=16384, version=3)
+    bad = {0: DraftReading(0.5, 10**6), 1: DraftReading(0.5, 10**6)}
+    for t in range(200):  # the generators still run v2: nothing they count is this schedule's
+        p = r.step(s, Snapshot(2, bad), float(t))
+        assert not p.changed and {b.state for b in p.bins} == {"waiting"}
+    p = r.step(s, Snapshot(3, bad), 200.0)  # fresh, but the window still holds v2's drafts
+    assert not p.changed and p.bins[0].state == "waiting"
+    few = {0: DraftReading(0.99, 10), 1: DraftReading(0.99, 10)}
+    for t in range(201, 400):
+        p = r.step(s, Snapshot(3, few), float(t))
+        assert not p.changed
+    assert p.bins[0].state == "few_tokens"
+    for t in range(400, 600):
+        p = r.step(s, None, float(t))  # blind
+        assert not p.changed
+
+
+def test_the_gain_model_prices_drafts_and_the_verify():
+    cfg = config(speculative_tokens=6)
+    r = lossless_retuner(cfg, MODEL, HARDWARE)
+    s = Schedule(budgets=(512,) * 8, bin_width=4096)
+    # At a dense draft (budget over the KV) k + 1 dense-priced passes emit k + 1 tokens: a little under 1x.
+    assert 0.5 < r.gain(s, 0, 4096, 0.3) < 1.0
+    # Long contexts, a cheap accepted draft: several-fold fewer KV reads per token.
+    assert r.gain(s, 7, 1024, 0.97) > 2.5
+    # More acceptance at one budget never costs, more budget at one acceptance never pays.
+    assert r.gain(s, 7, 1024, 0.9) < r.gain(s, 7, 1024, 0.97)
+    assert r.gain(s, 7, 2048, 0.9) < r.gain(s, 7, 1024, 0.9)
+    assert math.isnan(r.gain(s, 7, 1024, None))
+
+
+def test_lossless_mode_refuses_probes():
+    with pytest.raises(ValueError, match="lossless"):
+        ControllerConfig.model_validate({"mode": "lossless", "probe": {"enabled": True}})
