@@ -24,6 +24,8 @@ import torch
 from prometheus_client import start_http_server
 
 from services.controller.metrics import ControllerMetrics
+from services.controller.readings import BinStatus
+from services.generator.engine import EngineVersions, FinishedSample
 from services.generator.metrics import GeneratorMetrics
 from services.trainer.metrics import TrainerMetrics
 from sparrow.schedule import Schedule
@@ -107,6 +109,18 @@ class GeneratorExporter:
         m.policy_fetch_bytes.labels(kind="delta", source="peer").inc(1 << 20)
         m.policy_fetch_failures.labels(reason="unavailable").inc(step % 2)
         m.policy_sync_seconds.set(1.5)
+        # One speculative sample per bin: two cycles of k = 3 drafts, the first cycle's three accepted.
+        for b in BINS:
+            kv = int(b) * BIN_WIDTH + 1500
+            m.record_speculation(
+                FinishedSample(
+                    group_id=f"s{step}-{b}", sample_index=0, prompt_token_ids=[1], token_ids=[2], logprobs=[0.0],
+                    top_token_ids=[[2]], top_logprobs=[[0.0]], kv_budgets=[0], versions=EngineVersions(),
+                    finish_reason="stop", speculative_tokens=3, drafted_tokens=6, accepted_tokens=4,
+                    draft_alphas=[0.98, 0.97, 0.95, 0.9, 0.6, 0.8], draft_accepted=[True] * 4 + [False] * 2,
+                    draft_kv_lens=[kv + i for i in range(6)],
+                )
+            )  # fmt: skip
 
 
 class ControllerExporter:
@@ -122,6 +136,9 @@ class ControllerExporter:
     def tick(self, step: int) -> None:
         self.metrics.show_schedule(SCHEDULE.budgets, version=SCHEDULE.version, speedup=2.4)
         self.metrics.show_estimates({i: 0.9 for i in range(len(BINS))})
+        self.metrics.show_draft_estimates(
+            [BinStatus(bin=i, budget=b, estimate=0.95, predicted_gain=1.8) for i, b in enumerate(SCHEDULE.budgets)]
+        )
         self.metrics.ticks.labels(outcome="ok").inc()
         self.metrics.decisions.labels(reason="lower").inc(step % 2)
 

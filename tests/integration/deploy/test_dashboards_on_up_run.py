@@ -38,6 +38,9 @@ QUIET_IN_A_HEALTHY_RUN = {
     # This run has no held-out set; test_trainer_eval.py checks the gauges and test_dashboards_live.py the panels.
     "sparrow_trainer_eval_": "no evaluation runs without a held-out set (eval_files)",
     "sparrow_trainer_alpha_exact": 'the exact-alpha series exist only with alpha = "exact" (test_dashboards_live.py)',
+    "draft": 'the speculative series exist only with engine.decode = "speculative" (test_dashboards_live.py)',
+    "speculative_cycles": 'the speculative series exist only with engine.decode = "speculative"',
+    "sparrow_controller_bin_predicted_gain": "the controller's lossless mode runs only for speculative rollouts",
 }
 
 

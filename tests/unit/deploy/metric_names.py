@@ -60,6 +60,10 @@ GENERATOR_METRICS = (
     "sparrow_generator_probe_sequences_total",
     "sparrow_generator_step_seconds",
     "sparrow_generator_phase_seconds_total",
+    "sparrow_generator_draft_tokens_total",
+    "sparrow_generator_accepted_draft_tokens_total",
+    "sparrow_generator_speculative_cycles_total",
+    "sparrow_generator_draft_alpha",
 )
 CONTROLLER_METRICS = (
     "sparrow_controller_budget_tokens",
@@ -72,6 +76,8 @@ CONTROLLER_METRICS = (
     "sparrow_controller_decisions_total",
     "sparrow_controller_ticks_total",
     "sparrow_controller_trainer_steps_unseen_total",
+    "sparrow_controller_draft_alpha",
+    "sparrow_controller_bin_predicted_gain",
 )
 
 
@@ -81,6 +87,7 @@ HISTOGRAMS = (
     "sparrow_trainer_step_seconds",
     "sparrow_generator_queue_wait_seconds",
     "sparrow_generator_step_seconds",
+    "sparrow_generator_draft_alpha",
 )
 ALL_METRICS = TRAINER_METRICS + GENERATOR_METRICS + CONTROLLER_METRICS
 
