@@ -320,6 +320,10 @@ class AioServer:
                     task.cancel()
                 if pending:
                     await asyncio.wait(pending, timeout=5.0)
+            # A cancel that lands while grpc writes a response (not inside the handler) leaves the handler's
+            # generator suspended at its yield: close every generator still open, so each handler's own
+            # clean-up runs now (GeneratorExit at its yield), not whenever the garbage collector gets to it.
+            await asyncio.get_running_loop().shutdown_asyncgens()
 
         try:
             self.call(stop(), timeout=grace_s + 30.0)

@@ -237,3 +237,18 @@ def test_the_core_names_no_service_even_in_a_string():
                 if node.value.startswith("services.") or node.value.startswith("services/"):
                     found.append(f"{rel}:{node.lineno}: {node.value!r}")
     assert not found, "the core names a service:\n" + "\n".join(found)
+
+
+def test_test_modules_outside_packages_have_unique_names():
+    # pytest imports a test file of a folder without __init__.py by its bare name: a second file of that name
+    # anywhere else is an "import file mismatch" error at collection, which only the full run shows.
+    seen: dict[str, str] = {}
+    clashes = []
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        if (path.parent / "__init__.py").exists():
+            continue
+        rel = path.relative_to(ROOT).as_posix()
+        if path.name in seen:
+            clashes.append(f"{rel} and {seen[path.name]}")
+        seen.setdefault(path.name, rel)
+    assert not clashes, clashes
