@@ -46,6 +46,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="CUDA, with --compile: whole steps of pure decodes as full CUDA graphs (default: piecewise)",
     )
     r.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    r.add_argument(
+        "--decode",
+        choices=("sparse", "speculative"),
+        default="sparse",
+        help="sparse: dense then sparse on vLLM (default); speculative: dense, sparse and lossless speculative on the "
+        "reference engine (vLLM's speculative path is not built), on the model's chain task",
+    )
+    r.add_argument("--speculative-tokens", type=int, default=6, help="--decode speculative: drafts per cycle, k (6)")
+    r.add_argument("--prompts", type=int, default=2, help="--decode speculative: held-out task prompts (default 2)")
+    r.add_argument("--samples", type=int, default=2, help="--decode speculative: samples per prompt at T=1 (2)")
+    r.add_argument("--task-pairs", type=int, default=64, help="--decode speculative: chain task pairs (64)")
+    r.add_argument("--task-min-hops", type=int, default=96, help="--decode speculative: fewest hops (96)")
+    r.add_argument("--task-hops", type=int, default=128, help="--decode speculative: most hops (128)")
     r.add_argument("--json", action="store_true", help="print JSON")
     q = sub.add_parser("parity", help="the generator's sparse logprobs vs the trainer's teacher-forced sparse scoring")
     q.add_argument("--model", default="models/small", help="HF model folder (default models/small)")

@@ -27,7 +27,41 @@ def _schedule(spec: str):
         raise CliError(f"--schedule {spec}: {exc}") from None
 
 
+def _speculative(args: argparse.Namespace):
+    from bench.speculative import run_speculative_bench
+    from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
+    from sparrow.tasks import ChainTask, TaskError
+    from sparrow_cli.model_cmd import built_filler
+    from trainer.calibrate import task_prompts
+    from trainer.model_io import ModelLoadError, load_tokenizer
+
+    if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
+        raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
+    require_positive(args, "prompts", "samples", "task_pairs", "task_min_hops", "task_hops")
+    schedule = _schedule(args.schedule)
+    if len({layer for layer in schedule.dense_layers if layer < _layers(args.model)}) >= _layers(args.model):
+        raise CliError(f"--schedule {args.schedule}: no sparse layer on this model, so nothing to draft with")
+    filler = built_filler(args.model)
+    try:
+        task = ChainTask(args.task_pairs, args.task_hops, args.task_min_hops, filler=filler)
+        _, prompts, label = task_prompts(
+            load_tokenizer(args.model), args.task_pairs, args.task_hops, 0, args.prompts, 0, task.min_hops, filler
+        )
+    except (TaskError, ModelLoadError, ValueError) as exc:
+        raise CliError(f"--model {args.model}: {exc}") from None
+    max_new = task.sequence_tokens() - task.prompt_tokens() + 8
+    return run_speculative_bench(args.model, schedule, prompts, max_new, args.samples, args.speculative_tokens, label)
+
+
+def _layers(model: str) -> int:
+    import json
+
+    return int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+
+
 def _run(args: argparse.Namespace):
+    if args.bench == "rollout" and args.decode == "speculative":
+        return _speculative(args)
     if args.bench == "rollout":
         from bench.rollout import run_rollout_bench
 
@@ -67,7 +101,9 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 
         emit_json(d)
         return 0
-    if args.bench == "rollout":
+    if args.bench == "rollout" and args.decode == "speculative":
+        _print_speculative(d)
+    elif args.bench == "rollout":
         print(
             f"rollout {d['batch']} x ({d['prompt_len']} + {d['gen_len']}) tokens, {d['model']}, "
             f"schedule {d['schedule']}\n"
@@ -84,3 +120,22 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             f"mean {d['mean_abs_diff']:.2e}; top-20 ids equal at {d['top_ids_equal_fraction']:.1%} of positions"
         )
     return 0
+
+
+def _print_speculative(d: dict) -> None:
+    print(
+        f"rollout {d['prompts']} prompt(s) x {d['samples']} sample(s), {d['task']}, {d['model']}, "
+        f"schedule {d['schedule']}, k = {d['speculative_tokens']} ({d['engine']} engine)"
+    )
+    for mode in ("dense", "sparse", "speculative"):
+        ratio = "" if mode == "dense" else f"  {d['ratio_to_dense'][mode]:.2f}x dense"
+        print(
+            f"  {mode:<11} {d['tokens_per_s'][mode]:8.1f} tokens/s  ({d['seconds'][mode]:.1f} s, "
+            f"{d['mean_response_tokens'][mode]:.0f} tokens a response){ratio}"
+        )
+    print(f"  draft acceptance {d['acceptance']:.4f}, {d['tokens_per_cycle']:.2f} tokens per cycle")
+    for b, v in d["acceptance_per_bin"].items():
+        print(f"    bin {b}: alpha {v['alpha_mean']:.4f}, accepted {v['accepted_share']:.3f}, "
+              f"{v['tokens_per_cycle']:.2f} tokens/cycle ({v['drafts']} drafts)")  # fmt: skip
+    same = "yes" if d["speculative_identical_to_dense"] else f"no ({d['greedy_differing_prompts']} prompt(s) differ)"
+    print(f"  greedy speculative identical to dense: {same}")
