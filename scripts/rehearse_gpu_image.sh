@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rehearses `bench/cuda_check.py` on this CPU machine under the versions of the GPU machines' image
+# Rehearses `bench/cuda_check` on this CPU machine under the versions of the GPU machines' image
 # (Python 3.12, torch 2.11.0+cu130, Triton 3.6.0, transformers 5.17.0, no vLLM, no pydantic or
 # redis), so that the one run a lent GPU allows does not fail on an import or an API difference:
 #   1. every Triton kernel compiles for sm_90 with Triton 3.6's ptxas;

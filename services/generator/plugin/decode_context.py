@@ -1,7 +1,7 @@
 """What the attention layers of one worker share during a step: the batch's request ids and the step's plan.
 
 One `DecodeContext` per worker (the worker extension hands it to every attention layer of its model,
-`SparrowWorkerExtension._sparrow_impls`); a layer made on its own (a test, `bench/cuda_check.py`) has
+`SparrowWorkerExtension._sparrow_impls`); a layer made on its own (a test, `bench/cuda_check`) has
 one of its own until it is given another. Nothing of it lives on a class or in a module, so two
 workers in one process, or two tests in a row, never see each other's rows.
 """

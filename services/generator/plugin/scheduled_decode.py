@@ -38,7 +38,7 @@ its own selected pages only. The sink and local page counts are kernel arguments
 first static step on: a schedule with others is refused there.
 
 vLLM-free on purpose (torch, `kernels` and the schedule only): the decode path that is ours can then
-be checked on a GPU machine without vLLM (`bench/cuda_check.py`).
+be checked on a GPU machine without vLLM (`bench/cuda_check`).
 """
 
 from __future__ import annotations

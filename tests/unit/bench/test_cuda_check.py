@@ -1,4 +1,4 @@
-"""`bench/cuda_check.py`: its command line, and its dry run on CPU (Triton interpreted, tiny shapes).
+"""`bench/cuda_check`: its command line, and its dry run on CPU (Triton interpreted, tiny shapes).
 
 The dry run proves every phase's code runs and its checks pass on CPU, not any GPU figure; the
 engine phases ("parity", "throughput") skip in it by design.

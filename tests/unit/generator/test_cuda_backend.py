@@ -9,7 +9,7 @@ and one prefill row whose chunks start mid-page; several steps, crossing page bo
 
 Two drivers run the same checks:
   - "core": the vLLM-free part that is ours (`PageCentroids` + `ScheduledDecode.decode_rows`); this is
-    what `bench/cuda_check.py` runs on a GPU machine without vLLM;
+    what `bench/cuda_check` runs on a GPU machine without vLLM;
   - "impl": `SparrowTritonAttentionImpl.forward` with vLLM's metadata types (needs vLLM).
 Without a GPU our Triton kernels run in the interpreter in float32. vLLM's own Triton kernel cannot
 run here (vLLM's CPU build swaps Triton for placeholders), so on CPU `triton_attn.unified_attention`,
@@ -269,7 +269,7 @@ def stock(monkeypatch):
     """Calls of the stock Triton kernel as (rows, tokens); on CPU it is a float64 stand-in, else None.
 
     None also where vLLM is not installed: only the "impl" driver calls the stock kernel, and it
-    skips without vLLM (`bench/cuda_check.py --dry-run` runs the "core" tests so, as on a GPU
+    skips without vLLM (`bench/cuda_check --dry-run` runs the "core" tests so, as on a GPU
     machine without vLLM)."""
     if DEVICE == "cuda" or importlib.util.find_spec("vllm") is None:
         yield None

@@ -10,7 +10,7 @@ On a CPU these tests record (2) and (3) for steps that differ in lengths, schedu
 dense or sparse, require every record to equal the first, and check each step's output against the
 references; (1) is the host-read probe of `test_cuda_backend`. The Triton kernels run in the
 interpreter, whose launches are recorded (`InterpretedFunction.run`); torch ops by a dispatch mode.
-On a GPU (`bench/cuda_check.py` runs this file) the step is captured as a real CUDA graph once and
+On a GPU (`bench/cuda_check` runs this file) the step is captured as a real CUDA graph once and
 replayed at the later steps instead.
 
 Two drivers, as in `test_cuda_backend`: "core" (`ScheduledDecode.static_decode_rows` and

@@ -1,4 +1,4 @@
-"""The `trainer_memory` phase of bench/cuda_check.py: FSDP2's CPU offload and activation checkpointing on one GPU.
+"""The `trainer_memory` phase of bench/cuda_check: FSDP2's CPU offload and activation checkpointing on one GPU.
 
 A random Qwen3-0.6B-shaped model (8 of its 28 layers, Qwen3's vocabulary) is sharded by the
 trainer's own code (`trainer.distributed.shard`, bf16 compute, fp32 master weights) on a one-rank
@@ -21,7 +21,7 @@ a tiny shape) rehearses the same code without the offload (pinned memory needs a
 the memory checks.
 
 Then one step on one 16K-token rollout with the chunked LM head against the full one
-(bench/cuda_trainer_head.py: peak memory, tokens/s, agreement).
+(bench/cuda_check/trainer_head.py: peak memory, tokens/s, agreement).
 """
 
 from __future__ import annotations
@@ -67,8 +67,15 @@ def _rollouts(vocab: int, count: int, prompt: int, response: int):
     return out
 
 
+def phase_trainer_memory(rec) -> None:
+    """The phase, into `rec` (a common.Record), on the GPU, or on the CPU in the dry run."""
+    from bench.cuda_check.common import DEVICE, DRY
+
+    run(rec, DEVICE, DRY)
+
+
 def run(rec, device: str, dry: bool) -> None:
-    """Run the phase into `rec` (bench.cuda_check's Record) on `device`; `dry`: the CPU rehearsal."""
+    """Run the phase into `rec` (a common.Record) on `device`; `dry`: the CPU rehearsal."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -104,8 +111,8 @@ def run(rec, device: str, dry: bool) -> None:
                 torch.cuda.empty_cache()
             rec[case] = {k: v for k, v in results[case].items() if k != "grads"}
         _check_published(rec, Path(tmp), ["resident", "offload"])
-        # Then one step at 16K tokens, chunked vs full LM head (bench/cuda_trainer_head.py), on the same model.
-        from bench.cuda_trainer_head import run as head_run
+        # Then one step at 16K tokens, chunked vs full LM head (bench/cuda_check/trainer_head.py), on the same model.
+        from bench.cuda_check.trainer_head import run as head_run
 
         head_run(rec, Path(tmp), device, dtype, shape["vocab_size"], 256 if dry else 16384, prompt)
     distributed.close()

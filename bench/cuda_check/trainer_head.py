@@ -1,4 +1,4 @@
-"""In the `trainer_memory` phase of bench/cuda_check.py: one FSDP2 bf16 step at 16K tokens, chunked vs full LM head.
+"""In the `trainer_memory` phase of bench/cuda_check: one FSDP2 bf16 step at 16K tokens, chunked vs full LM head.
 
 The same model as the phase's other cases (Qwen3-0.6B's shape, 8 of its 28 layers, Qwen3's 151,936-entry
 vocabulary, each decoder layer checkpointed, bf16 compute over fp32 master weights, one NCCL rank)
@@ -43,7 +43,7 @@ def _rollout(vocab: int, prompt: int, response: int):
 
 
 def run(rec, folder: Path, device: str, dtype_name: str, vocab: int, tokens: int, prompt: int) -> None:
-    """Both ways on the model saved in `folder`, into `rec` (bench.cuda_check's Record) under "head_16k"."""
+    """Both ways on the model saved in `folder`, into `rec` (a common.Record) under "head_16k"."""
     import torch
 
     dtype = getattr(torch, dtype_name)
