@@ -32,13 +32,18 @@ class _Busy(rollout_pb2_grpc.RolloutServiceServicer):
             raise
 
 
-def test_a_stream_open_after_the_grace_is_ended_in_its_handler_without_a_traceback(caplog):
-    servicer = _Busy()
+def _serve(servicer) -> tuple[AioServer, grpc.Channel]:
+    """`servicer` on a real server on loopback, and a channel to it."""
     server = AioServer(GrpcSecurity(), max_calls=8)
     rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
     port = server.bind("127.0.0.1:0")
     server.start()
-    channel = open_channel(f"127.0.0.1:{port}", GrpcSecurity())
+    return server, open_channel(f"127.0.0.1:{port}", GrpcSecurity())
+
+
+def test_a_stream_open_after_the_grace_is_ended_in_its_handler_without_a_traceback(caplog):
+    servicer = _Busy()
+    server, channel = _serve(servicer)
     stop_sending = threading.Event()
 
     def requests():
@@ -90,11 +95,7 @@ class _Writing(rollout_pb2_grpc.RolloutServiceServicer):
 
 def test_a_handler_stopped_while_its_response_is_written_runs_its_clean_up_before_stop_returns():
     servicer = _Writing()
-    server = AioServer(GrpcSecurity(), max_calls=8)
-    rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server.server)
-    port = server.bind("127.0.0.1:0")
-    server.start()
-    channel = open_channel(f"127.0.0.1:{port}", GrpcSecurity())
+    server, channel = _serve(servicer)
     call = rollout_pb2_grpc.RolloutServiceStub(channel).StreamTrajectories(
         iter([rollout_pb2.StreamTrajectoriesRequest()])
     )
