@@ -28,7 +28,7 @@ import grpc
 
 from services.api.sparrow.v1 import weights_pb2, weights_pb2_grpc
 from services.common.grpc_server import GrpcSecurity, open_channel
-from services.generator.weight_stream import PolicyStream, StreamError
+from services.generator.policy_stream import PolicyStream, StreamError
 
 log = logging.getLogger("sparrow.generator.weights")
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from services.generator.weight_stream import PolicyStream, StreamError
+from services.generator.policy_stream import PolicyStream, StreamError
 
 
 def _state() -> dict[str, torch.Tensor]:
