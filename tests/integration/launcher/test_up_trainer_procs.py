@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli_runner import sparrow
+from tests.cli_runner import sparrow_process as sparrow
 from tests.integration.launcher.helpers import TINY, UpProcess, alive, processes, tiny_config, wait_for_processes
 
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from services.launcher.history import read_eval_history, read_history
-from tests.cli_runner import sparrow
+from tests.cli_runner import sparrow_process as sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from tests.integration.launcher.helpers import UpProcess
 from tests.servers import prometheus_server
