@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     def progress(plan):
         if args.json:
-            return JsonProgress(tag={"mode": "dense" if plan.up.dense else "sparse"} if args.compare else None)
+            return JsonProgress(tag={"mode": plan.up.decode} if args.compare else None)
         return LiveProgress(plan.up.steps, str(plan.run_dir))
 
     try:

@@ -1,7 +1,8 @@
 """`sparrow up --compare`: the same job with dense rollouts, then sparse, and one report side by side.
 
     RUN_DIR/dense/    a whole run folder (dense rollouts, no controller)
-    RUN_DIR/sparse/   a whole run folder (the schedule, the controller when on)
+    RUN_DIR/sparse/   a whole run folder (the schedule, the controller when on): sparse rollouts, or
+                      speculative ones when the config says so (the report names it: `second_mode`)
     RUN_DIR/report.md, RUN_DIR/compare_*.png, RUN_DIR/compare.json
                       (compare_time_split.png: each run's trainer time per step, stacked by phase, side by side)
 
@@ -20,7 +21,7 @@ from services.launcher.config import UpConfig
 from services.launcher.eval_report import read_evals
 from services.launcher.history import read_history
 from services.launcher.plan import default_run_dir, make_plan, require_fresh_run_dir
-from services.launcher.report import ReportError, build_report, headline, measured, with_gaps
+from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline, measured, with_gaps
 from services.launcher.time_split import compare_table, plot_side_by_side
 
 COMPARE_FILE = "compare.json"
@@ -89,12 +90,21 @@ def compare_figures(root: Path) -> dict:
     return {
         "dense": heads["dense"],
         "sparse": heads["sparse"],
+        "second_mode": second_mode(root),
         "measured_rollout_speedup": sparse / dense if dense and sparse else None,
         # dense step time over sparse step time: > 1 when sparse rollouts make the RL step faster
         "measured_step_speedup": dense_step / sparse_step if dense_step and sparse_step else None,
         "step_speedup_of": "steps after the first" if steady else "all steps",
         "accuracy_difference": _diff(heads["sparse"]["mean_accuracy"], heads["dense"]["mean_accuracy"]),
     }
+
+
+def second_mode(root: Path) -> str:
+    """How the second run (RUN_DIR/sparse/) decoded: sparse, or speculative (its summary, else "sparse")."""
+    try:
+        return str(json.loads((root / "sparse" / SUMMARY_FILE).read_text())["run"]["mode"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "sparse"
 
 
 def _heldout(round_: dict) -> dict:
@@ -122,16 +132,16 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     def f(value, spec=".3f"):
         return "-" if value is None else format(value, spec)
 
-    speedup = figs["measured_rollout_speedup"]
+    speedup, other = figs["measured_rollout_speedup"], figs["second_mode"]
     md = [
-        "# Sparrow: dense vs sparse rollouts",
+        f"# Sparrow: dense vs {other} rollouts",
         "",
-        f"Measured rollout speedup of sparse over dense: **{f(speedup, '.2f')}x** "
+        f"Measured rollout speedup of {other} over dense: **{f(speedup, '.2f')}x** "
         f"(predicted by the cost model: {f(s['final_predicted_speedup'], '.2f')}x); "
-        f"RL step time, dense over sparse: **{f(figs['measured_step_speedup'], '.2f')}x** "
+        f"RL step time, dense over {other}: **{f(figs['measured_step_speedup'], '.2f')}x** "
         f"({figs['step_speedup_of']}).",
         "",
-        "| figure | dense | sparse |",
+        f"| figure | dense | {other} |",
         "|---|---|---|",
         f"| mean rollout tokens/s (engine time) | {f(d['mean_rollout_tokens_per_s'], '.1f')} "
         f"| {f(s['mean_rollout_tokens_per_s'], '.1f')} |",
@@ -143,6 +153,10 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
         f"| final accuracy | {f(d['final_accuracy'])} | {f(s['final_accuracy'])} |",
         f"| mean reward | {f(d['mean_reward'])} | {f(s['mean_reward'])} |",
         f"| min p5 over bins, last step | {f(d['final_min_p5'])} | {f(s['final_min_p5'])} |",
+        f"| max TIS clip fraction of a step | {f(d['max_tis_clip_fraction'], '.4f')} "
+        f"| {f(s['max_tis_clip_fraction'], '.4f')} |",
+        f"| max abs kl_rollout_dense of a step | {f(d['max_abs_kl_rollout_dense'], '.2e')} "
+        f"| {f(s['max_abs_kl_rollout_dense'], '.2e')} |",
         f"| steps | {d['steps_done']} | {s['steps_done']} |",
         "",
         *_heldout_table(d["heldout"], s["heldout"]),

@@ -52,7 +52,17 @@ def headline(rows: list[dict]) -> dict:
         "final_policy_version": last.get("published_version"),
         "final_schedule_version": last.get("schedule_version"),
         "tau": last.get("tau"),
+        # the mismatch between rollout and dense policy the trainer saw: numerical noise when lossless
+        "max_tis_clip_fraction": _max([r.get("tis_clip_fraction") for r in rows]),
+        "max_abs_kl_rollout_dense": _max(
+            [abs(v) if isinstance(v, int | float) else None for v in (r.get("kl_rollout_dense") for r in rows)]
+        ),  # fmt: skip
     }
+
+
+def _max(values: list) -> float | None:
+    finite = [v for v in values if isinstance(v, int | float) and v == v]
+    return max(finite) if finite else None
 
 
 def _mean(values: list[float]) -> float | None:

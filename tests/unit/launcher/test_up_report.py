@@ -140,6 +140,29 @@ def test_the_comparison_reports_the_measured_speedup_and_both_accuracies(tmp_pat
     assert json.loads((tmp_path / "cmp" / "compare.json").read_text()) == figs
 
 
+def test_a_speculative_comparison_is_named_so_and_shows_the_mismatch_the_trainer_saw(tmp_path):
+    dense = [_row(1, 100.0, 0.5, False), _row(2, 100.0, 0.5, False)]
+    spec = [_row(1, 90.0, 0.5), _row(2, 95.0, 0.5)]
+    for rows, clips, kls in ((dense, (0.0, 0.0), (0.0, 0.0)), (spec, (0.0, 0.0), (2e-8, -3e-8))):
+        for r, clip, kl in zip(rows, clips, kls, strict=True):
+            r["tis_clip_fraction"], r["kl_rollout_dense"] = clip, kl
+    _run(tmp_path / "cmp" / "dense", dense, {"run": {"mode": "dense"}})
+    _run(tmp_path / "cmp" / "sparse", spec, {"run": {"mode": "speculative"}})
+    path, figs = build_compare_report(tmp_path / "cmp")
+    assert figs["second_mode"] == "speculative"
+    assert figs["sparse"]["max_abs_kl_rollout_dense"] == pytest.approx(3e-8)
+    assert figs["sparse"]["max_tis_clip_fraction"] == 0.0
+    md = path.read_text()
+    assert md.startswith("# Sparrow: dense vs speculative rollouts")
+    assert "Measured rollout speedup of speculative over dense: **0.93x**" in md
+    assert "| figure | dense | speculative |" in md
+    assert "| max abs kl_rollout_dense of a step | 0.00e+00 | 3.00e-08 |" in md
+    # a comparison without summaries (an older run folder) reads as dense vs sparse
+    _run(tmp_path / "old" / "dense", dense)
+    _run(tmp_path / "old" / "sparse", spec)
+    assert build_compare_report(tmp_path / "old")[1]["second_mode"] == "sparse"
+
+
 def test_sparrow_report_rebuilds_a_run_or_a_comparison_and_refuses_a_missing_folder(tmp_path):
     run = _run(tmp_path / "run", [_row(1, 10.0, 0.5)])
     r = sparrow("report", run, "--json")
