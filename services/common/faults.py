@@ -7,7 +7,9 @@
 Points: `up:started` (the launcher, every service healthy, no step yet), `up:step` (the launcher, just
 after it wrote a step's row), `trainer:checkpoint` (the trainer, a checkpoint's shards written and its
 meta not yet, so that checkpoint is never completed), `trainer:publish` (the trainer, a policy
-version's weights written and not yet published; the first is the version it starts from). With
+version's weights written and not yet published; the first is the version it starts from),
+`trainer:setup-error` (a rank our trainer launcher started, its setup error noted for the launcher,
+not yet exited 2: as a rank that a collective takes down on its way out). With
 nothing armed a point costs one dictionary lookup. SIGKILL on both, as an OOM kill or a power cut
 would: nothing gets to clean up; the services the launcher started get SIGTERM from the kernel
 (PR_SET_PDEATHSIG).

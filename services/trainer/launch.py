@@ -27,18 +27,26 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import uuid
+from pathlib import Path
 
 from services.common.exits import describe_exit, first_line
+from services.common.faults import fault_point
 from services.trainer.config import TrainerServiceConfig
 
 log = logging.getLogger("sparrow.trainer.launch")
 
 SETUP_ERROR = 2  # a rank's exit status for a setup error (sparrow_cli: one line, exit 2)
+# Where a rank notes its setup error before it exits (set by the launcher for each start of the ranks). The
+# exit status alone does not say it for sure: a rank that exits 2 can take the others down with it in a
+# collective (SIGABRT) and the agent, stopping the rest on the first failure it sees, may record only theirs.
+SETUP_ERRORS_ENV = "SPARROW_TRAINER_SETUP_ERRORS"
 
 
 def start(config: TrainerServiceConfig, argv: list[str]) -> int:
@@ -51,7 +59,12 @@ def start(config: TrainerServiceConfig, argv: list[str]) -> int:
     from services.trainer.prechecks import PrecheckError, check_start
 
     if "WORLD_SIZE" in os.environ:
-        serve(config)
+        try:
+            serve(config)
+        except SetupError as exc:
+            note_setup_error(str(exc))
+            fault_point("trainer:setup-error")  # tests: the rank dies after its note, not with exit 2
+            raise
         return 0
     d = config.distributed
     try:
@@ -62,6 +75,28 @@ def start(config: TrainerServiceConfig, argv: list[str]) -> int:
         serve(config)
         return 0
     return Launcher(config, argv).run()
+
+
+def note_setup_error(message: str) -> None:
+    """As a rank our launcher started: note this rank's setup error where the launcher looks after the start."""
+    folder = os.environ.get(SETUP_ERRORS_ENV)
+    if not folder:
+        return  # one process, or a rank a user's torchrun started: the exit status is all there is
+    try:
+        (Path(folder) / f"rank-{os.environ.get('RANK', '0')}").write_text(message)
+    except OSError:
+        pass  # the exit status still says 2
+
+
+def setup_errors(folder: Path) -> dict[int, str]:
+    """{global rank: its setup error} of the ranks that noted one in `folder`."""
+    out = {}
+    for path in folder.glob("rank-*"):
+        try:
+            out[int(path.name.removeprefix("rank-"))] = path.read_text()
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 class Launcher:
@@ -104,12 +139,22 @@ class Launcher:
         for attempt in range(d.restarts + 1):
             if self.stopping.is_set():
                 return 0
-            failures = self._attempt()
+            notes = Path(tempfile.mkdtemp(prefix="sparrow-setup-errors-"))
+            os.environ[SETUP_ERRORS_ENV] = str(notes)  # the ranks are spawned with this environment
+            try:
+                failures = self._attempt()
+                noted = setup_errors(notes)
+            finally:
+                shutil.rmtree(notes, ignore_errors=True)
             if not failures:
                 log.info("every trainer process on this node finished")
                 return 0
-            described = ", ".join(f"rank {r}: {describe_exit(code)}" for r, code in sorted(failures.items()))
-            if SETUP_ERROR in failures.values():
+            described = ", ".join(
+                f"rank {r}: {describe_exit(code) if code is not None else 'stopped'}"
+                + (" after its setup error" if r in noted and code != SETUP_ERROR else "")
+                for r, code in sorted((failures | {r: failures.get(r) for r in noted}).items())
+            )
+            if noted or SETUP_ERROR in failures.values():  # what a rank said, whatever the agent recorded
                 log.error("trainer processes stopped with a setup error (%s); not started again", described)
                 return SETUP_ERROR
             if self.stopping.is_set():

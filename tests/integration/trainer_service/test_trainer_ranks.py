@@ -301,10 +301,13 @@ def test_a_checkpoint_of_another_model_is_one_line_exit_2_before_any_rank_starts
 
 
 @pytest.mark.slow
-def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoint_and_another_model, tmp_path):
+@pytest.mark.parametrize("dies", [False, True], ids=["exit-2", "killed-after-its-note"])
+def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoint_and_another_model, tmp_path, dies):
     """Checkpoint shards overwritten with garbage pass the launcher's checks (their metadata is whole) but load on no
     rank: each rank exits 2 (one line), and the launcher, though allowed 2 restarts, starts them once and exits 2 where
-    torchrun would have started them 3 times and exited 1."""
+    torchrun would have started them 3 times and exited 1. `dies`: each rank is killed right after noting its setup
+    error (the fault point), as when one rank's exit takes the other down in a collective (CI once saw SIGABRT and a
+    restart): the launcher reads the ranks' notes, not only their exit status."""
     run_dir = tmp_path / "run"
     shutil.copytree(tiny_checkpoint_and_another_model[0], run_dir)
     for shard in run_dir.glob("checkpoints/step-*/state/*.distcp"):
@@ -312,10 +315,18 @@ def test_a_setup_error_the_ranks_meet_is_exit_2_and_not_restarted(tiny_checkpoin
     cmd = [sys.executable, "-m", "sparrow_cli.main", "trainer", "--run-dir", str(run_dir), "--model-dir", str(TINY)]
     cmd += ["--nproc-per-node", "2", "--max-restarts", "2", "--grpc-address", "127.0.0.1:0", "--metrics-port", "0"]
     env = {k: v for k, v in os.environ.items() if k != "WORLD_SIZE"} | {"OMP_NUM_THREADS": "1"}
-    env["PYTHONFAULTHANDLER"] = "1"  # a crash on the way out shows where it was (CI once saw a status other than 2)
+    env["PYTHONFAULTHANDLER"] = "1"  # a crash on the way out shows where it was
+    env.pop("SPARROW_FAULT", None)
+    if dies:
+        env["SPARROW_FAULT"] = "trainer:setup-error"
     r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
-    assert "sparrow trainer: error: no checkpoint under" in r.stderr
     assert r.stderr.count("starting 2 trainer process(es)") == 1
-    assert re.search(r"stopped with a setup error \(.*exit 2.*\); not started again", r.stderr), r.stderr[-3000:]
+    if dies:
+        # the rank killed first, at least: the agent may stop the other before it gets to its note
+        said = r"rank \d: signal SIGKILL after its setup error"
+        assert re.search(rf"stopped with a setup error \(.*{said}.*\); not started again", r.stderr), r.stderr[-3000:]
+    else:
+        assert "sparrow trainer: error: no checkpoint under" in r.stderr
+        assert re.search(r"stopped with a setup error \(.*exit 2.*\); not started again", r.stderr), r.stderr[-3000:]
     assert "starting them again" not in r.stderr
