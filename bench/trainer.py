@@ -16,9 +16,10 @@ state exists before the measured run. The full head is skipped where its own est
 from __future__ import annotations
 
 import multiprocessing
-import resource
 import time
 from dataclasses import asdict, dataclass
+
+from bench import rss
 
 VOCAB = 151_936
 PROMPT = 128  # prompt tokens of every measured sequence; the rest is the response
@@ -126,10 +127,11 @@ def _peak_bytes(device: str) -> int:
 
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return rss.peak_bytes()
 
 
 def _child(case: Case, out) -> None:
+    rss.reset_peak()  # the case's own peak, not the parent's
     import torch
 
     torch.set_num_threads(case.threads)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from bench import rss
 from services.api.sparrow.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc, weights_pb2, weights_pb2_grpc
 
 VOCAB = 151_936  # Qwen3's
@@ -77,8 +78,7 @@ def _write_policy(version: int):
 
 def _serve(conn, run_dir: str, generators: int, samples: int, max_calls: int, token: str) -> None:
     """The child process: the trainer's gRPC server over a real store, ledger and weight store in `run_dir`."""
-    import resource
-
+    rss.reset_peak()  # the server's own peak, not its parent's
     from services.trainer.config import TrainerServiceConfig
     from services.trainer.ledger import GroupLedger, GroupRecord
     from services.trainer.metrics import TrainerMetrics
@@ -114,7 +114,7 @@ def _serve(conn, run_dir: str, generators: int, samples: int, max_calls: int, to
                         "open_calls": server.stats.open,
                         "refused_calls": dict(server.stats.refused),
                         "stored": sum(store.count(group_id(g)) for g in range(generators)),
-                        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        "max_rss_bytes": rss.peak_bytes(),
                     }
                 )
             else:

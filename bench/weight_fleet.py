@@ -9,12 +9,12 @@ one in a process of its own and prints one JSON line per version it serves.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import threading
 import time
 from pathlib import Path
 
+from bench import rss
 from services.common.grpc_server import GrpcSecurity
 from services.generator.engine import EngineVersions
 from services.generator.policy_relay import HeldPolicy, RelayServer
@@ -103,22 +103,18 @@ class StandinGenerator:
             self.relay.stop(0.5)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def run_process(
     trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool = False
 ) -> None:
     """A stand-in generator process: one JSON line per served version on stdout, until stdin closes."""
+    rss.reset_peak()  # this generator's own peak, not its parent's
     import torch
 
     torch.set_num_threads(1)
 
     def report(version: int, digest: str) -> None:
         line = {"generator": generator_id, "version": version, "digest": digest, "t": time.time()}
-        print(json.dumps({**line, "peak_rss_bytes": peak_rss_bytes()}), flush=True)
+        print(json.dumps({**line, "peak_rss_bytes": rss.peak_bytes()}), flush=True)
 
     gen = StandinGenerator(trainer, Path(root), generator_id, relay, digest_checked, on_loaded=report, stream=stream)
     gen.start()
