@@ -33,8 +33,8 @@ def write(out: Path, std: float, embed_scale: float, seed: int) -> dict:
     import torch
     from transformers import GenerationConfig, Qwen3ForCausalLM
 
-    from trainer.model_build import qwen3_config
-    from trainer.tokenizer import save_tokenizer
+    from offline.model_build import qwen3_config
+    from offline.tokenizer import save_tokenizer
 
     cfg = qwen3_config("small")
     cfg.initializer_range = std

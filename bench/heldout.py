@@ -77,8 +77,8 @@ def heldout_curve(
     """Sampled held-out accuracy per kept policy version of every run in `folders`."""
     import torch
 
+    from offline.evaluate import evaluate
     from sparrow.tasks import ChainTask
-    from trainer.evaluate import evaluate
     from trainer.model_io import load_model
 
     if samples < 1:

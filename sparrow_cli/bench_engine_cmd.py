@@ -29,10 +29,10 @@ def _schedule(spec: str):
 
 def _speculative(args: argparse.Namespace):
     from bench.speculative import run_speculative_bench
+    from offline.calibrate import task_prompts
     from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
     from sparrow.tasks import ChainTask, TaskError
     from sparrow_cli.model_cmd import built_filler
-    from trainer.calibrate import task_prompts
     from trainer.model_io import ModelLoadError, load_tokenizer
 
     if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:

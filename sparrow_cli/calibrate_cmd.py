@@ -95,10 +95,10 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     import torch
 
+    from offline import calibrate as cal
     from sparrow.data import DataError, load_prompts
     from sparrow.schedule import Schedule, ScheduleError
     from sparrow.tasks import TaskError
-    from trainer import calibrate as cal
     from trainer.model_io import ModelLoadError, load_model, load_tokenizer
     from trainer.scoring import Scorer
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from trainer.model_build import BuildConfig, build, default_steps
+    from offline.model_build import BuildConfig, build, default_steps
 
     steps = default_steps(args.size) if args.steps is None else args.steps
     if steps < 1:
@@ -121,8 +121,8 @@ def _eval(args: argparse.Namespace) -> int:
     if args.data is not None:
         return _eval_data(args)
 
+    from offline.evaluate import evaluate
     from sparrow.tasks import ChainTask, TaskError
-    from trainer.evaluate import evaluate
     from trainer.model_io import ModelLoadError, load_model
 
     if args.samples < 1:
@@ -187,11 +187,11 @@ def evaluate_dataset(
 
     import torch
 
+    from offline.evaluate_data import evaluate_prompts
     from services.trainer.config import TrainerServiceConfig
     from services.trainer.reward_pool import RewardPool
     from services.trainer.rewarding import reward_input
     from services.trainer.training_data import DataInputError, build_training_data
-    from trainer.evaluate_data import evaluate_prompts
     from trainer.model_io import ModelLoadError, load_model, load_tokenizer
 
     if k < 1 or max_new_tokens < 1:

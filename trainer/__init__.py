@@ -1,1 +1,1 @@
-"""Learning code: building the project's own tokenizer and models, evaluation (no services, no CLI)."""
+"""Learning code: GRPO and TIS, teacher-forced (sparse) scoring, exact alpha, DistillSparse, FSDP2 (no services)."""

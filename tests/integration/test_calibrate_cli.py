@@ -16,7 +16,7 @@ TINY_TASK = ["--task-pairs", "6", "--task-hops", "10", "--min-bin-tokens", "5"]
 def model_dir(tmp_path_factory):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from trainer.tokenizer import save_tokenizer, vocab_size
+    from offline.tokenizer import save_tokenizer, vocab_size
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

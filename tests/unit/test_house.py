@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # The project's own packages (tests, generated gRPC stubs and vendored code aside).
-PACKAGES = ("sparrow", "sparrow_cli", "services", "trainer", "kernels", "bench", "models")
+PACKAGES = ("sparrow", "sparrow_cli", "services", "trainer", "offline", "kernels", "bench", "models")
 GENERATED = ("services/api/",)
 
 # The rules of `sparrow.budget`: nowhere else may a function of these names be defined.

@@ -93,7 +93,7 @@ def test_missing_tokenizer(folder):
 
 
 def test_a_saved_tokenizer_loads(folder):
-    from trainer.tokenizer import save_tokenizer
+    from offline.tokenizer import save_tokenizer
 
     save_tokenizer(folder)
     tok = load_tokenizer(folder)

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from offline.calibrate import Measurement, Settings, fit, split_prompts
 from sparrow.schedule import Schedule
-from trainer.calibrate import Measurement, Settings, fit, split_prompts
 
 SETTINGS = Settings(budgets=(64, 128, 256), bin_width=100, tau=0.86, min_bin_tokens=10)
 

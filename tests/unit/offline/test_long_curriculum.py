@@ -1,10 +1,10 @@
 """The long model's curriculum: every stage is the long task (same countdown), its batches mark exactly the
 looked-up names, and the build's extra loss on them is what lets lookup form under the countdown's tokens."""
 
+from offline.curriculum import Curriculum, stage_tasks
+from offline.model_build import BuildConfig, qwen3_config
 from sparrow.tasks.chain import LONG_FILLER, LONG_HOPS
 from sparrow.tasks.vocab import NAMES, VOCAB
-from trainer.curriculum import Curriculum, stage_tasks
-from trainer.model_build import BuildConfig, qwen3_config
 
 
 def test_long_stages_keep_the_countdown_and_end_at_the_full_length():

@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from offline.curriculum import Curriculum, CurriculumConfig
 from sparrow.tasks.chain import LONG_FILLER, LONG_HOPS
-from trainer.curriculum import Curriculum, CurriculumConfig
 
 SIZES: dict[str, dict] = {
     # for fast tests: builds in minutes; it learns short lookups only
@@ -31,7 +31,6 @@ SIZES: dict[str, dict] = {
     "long": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, max_position_embeddings=16384, rope_theta=1e6),
 }  # fmt: skip
-
 
 
 @dataclass
@@ -89,8 +88,8 @@ def qwen3_config(size: str):
     """The Qwen3Config of a size, over the task vocabulary."""
     from transformers import Qwen3Config
 
+    from offline.tokenizer import vocab_size
     from sparrow.tasks.vocab import BOS, EOS, PAD, TOKEN_TO_ID
-    from trainer.tokenizer import vocab_size
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {sorted(SIZES)}")
@@ -194,9 +193,9 @@ def build(cfg: BuildConfig, out_dir: str | Path, command: list[str] | None = Non
     import torch
     from transformers import GenerationConfig
 
+    from offline.evaluate import evaluate
+    from offline.tokenizer import save_tokenizer
     from sparrow.tasks import ChainTask
-    from trainer.evaluate import evaluate
-    from trainer.tokenizer import save_tokenizer
 
     out = Path(out_dir)
     model, summary = train(cfg, log=log)
