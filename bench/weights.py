@@ -177,6 +177,12 @@ def _run_mode(mode: str, shape: Shape, generators: int, versions: int, lr: float
                 while len(fleet.served(v)) < generators and time.monotonic() < deadline:
                     time.sleep(0.05)
                 served = fleet.served(v)
+                print(
+                    f"bench weights: {mode}, version {v} of {versions}: {len(served)} of {generators} generators "
+                    f"serve it, {time.monotonic() - t0:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 rec = trainer.sync.record(v)
                 sent = {k: trainer.sent[k] - before[k] for k in trainer.sent}
                 rows.append(
@@ -223,13 +229,13 @@ def _mean(values) -> float | None:
 
 
 def run(
-    layers: int = 28,
+    layers: int = 2,
     generators: int = 8,
     versions: int = 3,
     lr: float = 1e-6,
     modes=tuple(MODES),
     timeout_s: float = 600.0,
-    vocab: int = 151936,
+    vocab: int = 32768,
 ) -> dict:
     """Run every mode in `modes`; returns the JSON report."""
     torch.set_num_threads(1)
