@@ -28,7 +28,7 @@ TRAINER_STEPS = Path("trainer") / "steps.jsonl"  # the trainer's record of each 
 
 def load_rows(run_dir: Path) -> list[dict]:
     """The per-step rows of a run; ValueError naming the file when there are none."""
-    from services.launcher.history import HISTORY_FILE, read_history
+    from report.history import HISTORY_FILE, read_history
 
     if not (Path(run_dir) / HISTORY_FILE).is_file():
         raise ValueError(f"{run_dir}: no {HISTORY_FILE} (not a `sparrow up` run folder)")

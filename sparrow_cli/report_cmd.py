@@ -19,8 +19,8 @@ def run(args: argparse.Namespace) -> int:
     """Rebuild the report and say where it is."""
     from pathlib import Path
 
-    from services.launcher.compare import build_any_report
-    from services.launcher.report import ReportError
+    from report.compare import build_any_report
+    from report.run_report import ReportError
     from sparrow_cli.output import emit_json
 
     try:

@@ -9,8 +9,8 @@ its predicted speedup, and PromQL's p5 per bin (what the controller acts on). Th
 Evaluation rounds (trainer/evals.jsonl) get rows of their own in the same file, `"kind": "eval"`,
 one per round and mode, in the order they ended among the step rows: the round, its mode (`dense` or
 `schedule`), the step it ran after (0: before the first), the policy version, avg@k/pass@k per
-source, and on the `schedule` row of a round with both modes `dense_gap` (dense minus scheduled). `read_history` gives
-the step rows, `read_eval_history` the eval rows.
+source, and on the `schedule` row of a round with both modes `dense_gap` (dense minus scheduled). This module
+writes the file; `report.history` reads it (`read_history`: the step rows, `read_eval_history`: the eval rows).
 
 A resumed run (`sparrow up --resume`) carries on the same file: the rows written before are the run's
 so far, and the trainer's records are read on from where the last launcher had read them
@@ -37,14 +37,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from report.history import EVAL_KIND, HISTORY_FILE, read_eval_history, read_history, supersede
 from services.launcher.scrape import GeneratorSample, promql_p5, read_schedule, scrape_generator
 from services.trainer.store import replace_text
 from sparrow import metrics_contract as mc
 
-HISTORY_FILE = "metrics.jsonl"
 READ_FILE = "history.json"  # how far the launcher has read the trainer's records (a resume reads on from there)
 STEPS_FILE = "steps.jsonl"  # written by the trainer in its run folder
-EVAL_KIND = "eval"  # the kind of a history row of an evaluation round (step rows have no kind)
 
 
 @dataclass
@@ -281,45 +280,3 @@ def _size(path: Path | None) -> int:
 def _delta(now: float, before: float) -> float:
     # A counter that went down belongs to a restarted process: everything it counted is new.
     return now - before if now >= before else now
-
-
-def read_history(run_dir: Path) -> list[dict]:
-    """The step rows of a run's metrics history (a torn last line, or any line that is not a step record, is
-    skipped; evaluation rows are `read_eval_history`'s).
-
-    A trainer that resumes from a checkpoint older than its last step trains those steps again (paced
-    checkpoints are not taken every step): the file keeps every row, and the history is the run as it
-    stands, each step's last training, the rows it superseded left out.
-    """
-    rows: list[dict] = []
-    for row in _rows(run_dir):
-        if row.get("kind") is None:
-            supersede(rows, row)
-    return rows
-
-
-def supersede(rows: list[dict], row: dict) -> None:
-    """Append step `row` to `rows`, dropping the rows of its step and later ones that a resume trained again."""
-    while rows and rows[-1]["step"] >= row["step"]:
-        rows.pop()
-    rows.append(row)
-
-
-def read_eval_history(run_dir: Path) -> list[dict]:
-    """The evaluation rows of a run's metrics history, in the order the rounds ended."""
-    return [row for row in _rows(run_dir) if row.get("kind") == EVAL_KIND]
-
-
-def _rows(run_dir: Path) -> list[dict]:
-    rows = []
-    path = run_dir / HISTORY_FILE
-    if not path.exists():
-        return rows
-    for line in path.read_bytes().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # not JSON, or not UTF-8
-            continue
-        if isinstance(row, dict) and isinstance(row.get("step"), int):
-            rows.append(row)
-    return rows

@@ -27,15 +27,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from report.evals import EVALS_FILE, read_evals
+from report.run_report import SUMMARY_FILE, ReportError, build_report, headline
 from services.common.exits import describe_exit
 from services.common.faults import fault_point
 from services.launcher.accounting import WORK_FILE, account
 from services.launcher.cluster import Cluster, StartError
 from services.launcher.config import UpConfig
-from services.launcher.eval_report import EVALS_FILE, read_evals
 from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
-from services.launcher.report import SUMMARY_FILE, ReportError, build_report, headline
 from services.launcher.resume import hold_run_folder, wait_for_earlier_services
 from services.launcher.services import prompt_tokens
 from services.launcher.tracking.base import Trackers

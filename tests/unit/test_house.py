@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # The project's own packages (tests, generated gRPC stubs and vendored code aside).
-PACKAGES = ("sparrow", "sparrow_cli", "services", "trainer", "offline", "kernels", "bench", "models")
+PACKAGES = ("sparrow", "sparrow_cli", "services", "trainer", "offline", "report", "kernels", "bench", "models")
 GENERATED = ("services/api/",)
 
 # The rules of `sparrow.budget`: nowhere else may a function of these names be defined.
@@ -223,6 +223,17 @@ def test_kernels_import_nothing_of_ours_and_the_core_no_service():
             assert roots <= {"kernels"}, f"{name} imports {sorted(targets)}"
         if name.split(".")[0] == "sparrow":
             assert roots & ours <= {"sparrow", "kernels"}, f"{name} imports {sorted(targets)}"
+
+
+def test_reporting_reads_run_folders_and_nothing_that_runs():
+    """`report` builds what a run folder says (`sparrow report RUN_DIR`): it needs the core and nothing that
+    starts, supervises or serves (the launcher calls it at the end of a run, never the other way round)."""
+    assert any(name.startswith("report.") for name in GRAPH)
+    for name, targets in GRAPH.items():
+        if name.split(".")[0] == "report":
+            roots = {t.split(".")[0] for t in targets}
+            assert roots <= {"report", "sparrow"}, f"{name} imports {sorted(targets)}"
+    assert "report.compare" in GRAPH["services.launcher.compare"]
 
 
 def test_the_core_names_no_service_even_in_a_string():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from services.launcher.compare import compare_figures
+from report.compare import compare_figures
 from tests.integration.launcher.helpers import UpProcess, alive, processes, tiny_config
 
 pytestmark = pytest.mark.slow

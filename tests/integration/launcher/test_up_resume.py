@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from services.launcher.history import read_history
+from report.history import read_history
 from tests.cli_runner import REPO
 from tests.integration.launcher.helpers import tiny_config, trained_and_dropped
 from tests.tracking_readers import mlflow_run, mlflow_series, tensorboard_scalars

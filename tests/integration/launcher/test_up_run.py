@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from services.launcher.history import read_history
+from report.history import read_history
 from tests.cli_runner import sparrow_process as sparrow
 from tests.integration.launcher.helpers import UpProcess, alive, processes, tiny_config, trained_and_dropped
 from tests.tracking_readers import mlflow_run, mlflow_series, tensorboard_images, tensorboard_scalars, wandb_offline_run

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from services.launcher.history import read_eval_history, read_history
+from report.history import read_eval_history, read_history
 from tests.cli_runner import sparrow_process as sparrow
 from tests.fixtures.qwen3_checkpoint import build_qwen3_checkpoint
 from tests.integration.launcher.helpers import UpProcess

@@ -3,7 +3,7 @@ in a real generator process, for two steps of the tiny model."""
 
 import pytest
 
-from services.launcher.history import read_history
+from report.history import read_history
 from tests.integration.launcher.helpers import UpProcess, alive, processes, tiny_config
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,9 @@ import json
 import pytest
 from rich.console import Console
 
+from report.history import read_eval_history, read_history
 from services.generator.metrics import GeneratorMetrics
-from services.launcher.history import History, HistorySources, read_eval_history, read_history
+from services.launcher.history import History, HistorySources
 from services.launcher.progress import p5_table
 
 SCHEDULE = {"name": "s", "version": 3, "bin_width": 16, "budgets": [48, 64], "page_size": 16}

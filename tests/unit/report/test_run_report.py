@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from services.launcher.compare import build_compare_report
-from services.launcher.report import ReportError, build_report, figures, headline, with_gaps
+from report.compare import build_compare_report
+from report.run_report import ReportError, build_report, figures, headline, with_gaps
 from tests.cli_runner import sparrow
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -213,7 +213,7 @@ def test_the_report_shows_each_steps_time_split_as_a_stacked_bar_and_a_table(tmp
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from services.launcher.time_split import PHASES, draw
+    from report.time_split import PHASES, draw
 
     rows = [_timed(_row(1, 100.0, 0.25), 2.0, 0.5, 0.75, 0.125), _timed(_row(2, 120.0, 0.5), 0.25, 0.5, 1.0, 0.0)]
     rows[1]["generator_timing"] = {"prefill": 0.5, "decode": 3.0, "sampling": 0.0, "weight_sync": 0.25,
@@ -244,7 +244,7 @@ def test_the_report_shows_each_steps_time_split_as_a_stacked_bar_and_a_table(tmp
 
 
 def test_a_history_without_a_time_split_says_so():
-    from services.launcher.time_split import section, split_figures
+    from report.time_split import section, split_figures
 
     rows = [_row(1, 100.0, 0.25)]
     assert "No step of this history has a time split." in "\n".join(section(rows))

@@ -2,7 +2,7 @@
 
     RUN_DIR/report/report.md        headline figures, the plots, one table row per step
     RUN_DIR/report/*.png            reward and accuracy, p5 per bin vs tau, schedule, tokens/s, where each
-                                    step's time went (a stacked bar per step, services/launcher/time_split.py)
+                                    step's time went (a stacked bar per step, report/time_split.py)
     RUN_DIR/report/figures.json     the exact series each plot draws
 
 Every number in the report is read from RUN_DIR/metrics.jsonl (and RUN_DIR/summary.json for the
@@ -15,12 +15,12 @@ import json
 import math
 from pathlib import Path
 
-from services.launcher.eval_report import eval_section, read_evals
-from services.launcher.history import read_history
-from services.launcher.time_split import PLOT as TIME_SPLIT
-from services.launcher.time_split import plot as plot_time_split
-from services.launcher.time_split import section as time_split_section
-from services.launcher.time_split import split_figures
+from report.evals import eval_section, read_evals
+from report.history import read_history
+from report.time_split import PLOT as TIME_SPLIT
+from report.time_split import plot as plot_time_split
+from report.time_split import section as time_split_section
+from report.time_split import split_figures
 
 REPORT_DIR = "report"
 SUMMARY_FILE = "summary.json"

@@ -2,7 +2,7 @@
 
 import json
 
-from services.launcher.eval_report import eval_section, read_evals
+from report.evals import eval_section, read_evals
 
 
 def test_eval_rounds_in_the_report(tmp_path):
