@@ -12,7 +12,9 @@ fraction of the sparse run (over every layer, dense layers counted whole), and, 
 from __future__ import annotations
 
 import random
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from services.generator.engine import FinishedSample
@@ -47,13 +49,19 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[i
     return [tuple(rng.randrange(3, vocab) for _ in range(prompt_len)) for _ in range(batch)]
 
 
-def _generate(engine, prompts, gen_len: int, tag: str) -> tuple[list[FinishedSample], float]:
+def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None] | None = None):
+    """(the finished samples, seconds); `log` gets a line at every tenth of the generation length."""
     for i, p in enumerate(prompts):
         engine.submit(PromptGroup(f"{tag}{i}", p, 1, 0, Sampling(max_new_tokens=gen_len)))
     out: list[FinishedSample] = []
     start = time.perf_counter()
+    steps, every = 0, max(1, gen_len // 10)
     while engine.in_flight:
         out.extend(engine.step())
+        steps += 1  # a decode step generates one token of every running sequence (EOS is ignored)
+        if log is not None and (steps % every == 0 or not engine.in_flight):
+            t = time.perf_counter() - start
+            log(f"bench rollout: {tag} {min(steps, gen_len)}/{gen_len} tokens per sequence, {t:.0f} s")
     return out, time.perf_counter() - start
 
 
@@ -80,8 +88,11 @@ def run_rollout_bench(
     seed: int = 0,
     enforce_eager: bool = True,
     static_decode: bool = False,
+    log: Callable[[str], None] | None = None,
 ) -> RolloutBenchResult:
-    """Generate the same batch dense, then sparse, with one engine; see the module docstring."""
+    """Generate the same batch dense, then sparse, with one engine; see the module docstring. Progress goes
+    to `log` (default: stderr, so that stdout holds the figures alone)."""
+    say = log or (lambda line: print(line, file=sys.stderr, flush=True))
     import json
     from pathlib import Path
 
@@ -106,10 +117,11 @@ def run_rollout_bench(
     try:
         prompts = _prompts(batch, prompt_len, vocab, seed)
         _generate(engine, prompts[:1], 8, "warmup")  # first-step allocations off the clock
+        say(f"bench rollout: engine ready; {batch} sequences of {prompt_len} + {gen_len} tokens, dense then sparse")
         engine.set_schedule(None)
-        dense, dense_s = _generate(engine, prompts, gen_len, "dense")
+        dense, dense_s = _generate(engine, prompts, gen_len, "dense", say)
         engine.set_schedule(schedule)
-        sparse, sparse_s = _generate(engine, prompts, gen_len, "sparse")
+        sparse, sparse_s = _generate(engine, prompts, gen_len, "sparse", say)
     finally:
         engine.close()
     tokens = sum(len(s.token_ids) for s in dense)
@@ -131,6 +143,7 @@ def run_rollout_bench(
         dense_layers=sorted(schedule.dense_layers),
     )
     if check_alpha:
+        say("bench rollout: scoring the sparse tokens densely (--check-alpha)")
         result.alpha_p5_per_bin, result.alpha_tokens_per_bin = _alpha_tail(model, sparse, schedule)
     return result
 

@@ -33,11 +33,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     a.add_argument("--json", action="store_true", help="print JSON")
     r = sub.add_parser("rollout", help="the generator's vLLM engine: dense then sparse rollouts of the same batch")
-    r.add_argument("--model", default="models/small", help="HF model folder (default models/small)")
-    r.add_argument("--prompt-len", type=int, default=512, help="prompt tokens per sequence (default 512)")
-    r.add_argument("--gen-len", type=int, default=16384, help="generated tokens per sequence (default 16384)")
+    r.add_argument("--model", default="models/long", help="HF model folder (default models/long)")
+    r.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per sequence (default 256)")
+    r.add_argument("--gen-len", type=int, default=4096, help="generated tokens per sequence (default 4096)")
     r.add_argument("--batch", type=int, default=8, help="sequences generated together (default 8)")
-    r.add_argument("--schedule", required=True, help="schedule: a preset name or a JSON file")
+    r.add_argument(
+        "--schedule",
+        default=None,
+        help="schedule: a preset name or a JSON file (default: models/long's calibrated one; needed with --model)",
+    )
     r.add_argument("--check-alpha", action="store_true", help="also score the sparse tokens densely: p5 per bin")
     r.add_argument("--compile", action="store_true", help="let vLLM compile the model (default: eager)")
     r.add_argument(
@@ -54,8 +58,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "reference engine (vLLM's speculative path is not built), on the model's chain task",
     )
     r.add_argument("--speculative-tokens", type=int, default=6, help="--decode speculative: drafts per cycle, k (6)")
-    r.add_argument("--prompts", type=int, default=2, help="--decode speculative: held-out task prompts (default 2)")
-    r.add_argument("--samples", type=int, default=2, help="--decode speculative: samples per prompt at T=1 (2)")
+    r.add_argument("--prompts", type=int, default=1, help="--decode speculative: held-out task prompts (default 1)")
+    r.add_argument("--samples", type=int, default=1, help="--decode speculative: samples per prompt at T=1 (1)")
     r.add_argument("--task-pairs", type=int, default=64, help="--decode speculative: chain task pairs (64)")
     r.add_argument("--task-min-hops", type=int, default=96, help="--decode speculative: fewest hops (96)")
     r.add_argument("--task-hops", type=int, default=128, help="--decode speculative: most hops (128)")
@@ -101,7 +105,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
         "trainer", help="the trainer's LM head at Qwen3's vocabulary: memory and tokens/s, chunked vs full logits"
     )
-    t.add_argument("--lengths", default="2048,8192,16384", help="sequence lengths in tokens (2048,8192,16384)")
+    t.add_argument(
+        "--lengths", default="2048,8192", help="sequence lengths in tokens (2048,8192; the full run adds 16384)"
+    )
     t.add_argument("--chunk", type=int, default=1024, help="positions per LM-head chunk (default 1024)")
     t.add_argument("--hidden", type=int, default=128, help="hidden size of the Qwen3-shaped model (default 128)")
     t.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")

@@ -17,6 +17,20 @@ def _check(args: argparse.Namespace) -> None:
         raise CliError("--static-decode captures CUDA graphs: add --compile")
 
 
+DEFAULT_MODEL = "models/long"
+
+
+def _rollout_schedule(args: argparse.Namespace) -> str:
+    """`--schedule`, else the default model's calibrated schedule (another model needs its own)."""
+    if args.schedule:
+        return args.schedule
+    if Path(args.model).resolve() != Path(DEFAULT_MODEL).resolve():
+        raise CliError(f"--model {args.model}: name its --schedule (a preset name or a JSON file)")
+    from services.launcher.config import LONG_SCHEDULE
+
+    return str(LONG_SCHEDULE)
+
+
 def _schedule(spec: str):
     from sparrow.presets import resolve_schedule
     from sparrow.schedule import ScheduleError
@@ -38,9 +52,10 @@ def _speculative(args: argparse.Namespace):
     if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
         raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
     require_positive(args, "prompts", "samples", "task_pairs", "task_min_hops", "task_hops")
-    schedule = _schedule(args.schedule)
+    spec = _rollout_schedule(args)
+    schedule = _schedule(spec)
     if len({layer for layer in schedule.dense_layers if layer < _layers(args.model)}) >= _layers(args.model):
-        raise CliError(f"--schedule {args.schedule}: no sparse layer on this model, so nothing to draft with")
+        raise CliError(f"--schedule {spec}: no sparse layer on this model, so nothing to draft with")
     filler = built_filler(args.model)
     try:
         task = ChainTask(args.task_pairs, args.task_hops, args.task_min_hops, filler=filler)
@@ -67,7 +82,7 @@ def _run(args: argparse.Namespace):
 
         return run_rollout_bench(
             args.model,
-            _schedule(args.schedule),
+            _schedule(_rollout_schedule(args)),
             args.prompt_len,
             args.gen_len,
             args.batch,

@@ -1,0 +1,33 @@
+"""`sparrow bench rollout` on the vLLM engine at a tiny size: dense then sparse on the same prompts, progress on
+stderr, the figures alone on stdout, and every sequence generated to the full length on both sides."""
+
+import json
+
+from tests.cli_runner import sparrow_process
+
+
+def test_dense_then_sparse_rollouts_of_the_same_batch_with_progress_shown():
+    r = sparrow_process(
+        "bench", "rollout", "--model", "models/small", "--prompt-len", "16", "--gen-len", "40", "--batch", "2",
+        "--schedule", "services/launcher/schedules/small-default.json", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    progress = [line for line in r.stderr.splitlines() if line.startswith("bench rollout: ")]
+    assert progress[0].startswith("bench rollout: engine ready; 2 sequences of 16 + 40 tokens")
+    assert any(line.startswith("bench rollout: dense 40/40 tokens") for line in progress)
+    assert progress[-1].startswith("bench rollout: sparse 40/40 tokens")
+    d = json.loads(r.stdout)  # stdout is the JSON object alone
+    assert (d["model"], d["schedule"], d["prompt_len"], d["gen_len"], d["batch"]) == (
+        "models/small", "small-default", 16, 40, 2)  # fmt: skip
+    for side in ("dense", "sparse"):  # 2 x 40 tokens each side, EOS ignored
+        assert abs(d[f"{side}_tokens_per_s"] * d[f"{side}_seconds"] - 80) < 1e-6
+    assert abs(d["speedup"] - d["sparse_tokens_per_s"] / d["dense_tokens_per_s"]) < 1e-12
+    assert d["layers"] == 4 and d["dense_layers"] == [0, 1]
+    # Layers 0-1 whole; at 16-56 tokens of KV the sparse layers' budget (at least 64) covers the context too.
+    assert d["attended_kv_fraction"] == 1.0
+
+
+def test_a_model_of_ones_own_needs_its_schedule_named():
+    r = sparrow_process("bench", "rollout", "--model", "models/small")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "--model models/small: name its --schedule" in r.stderr
