@@ -130,7 +130,8 @@ class EngineConfig(ConfigSection):
         description=(
             "How decode attends: sparse (the schedule's block-sparse budgets; fast, lossy), speculative (sparse "
             "drafts verified by one dense pass with exact rejection sampling: every token is the dense policy's; "
-            "reference engine only for now), dense (every page: the generator applies no schedule, neither "
+            "on vLLM every request of the engine, the plugin's CPU attention only so far, no LoRA), "
+            "dense (every page: the generator applies no schedule, neither "
             "schedule.initial nor Redis's; sparrow up --dense). Groups marked dense decode densely in every mode."
         ),
     )
@@ -140,15 +141,6 @@ class EngineConfig(ConfigSection):
         le=MAX_DRAFTS,
         description="decode speculative: draft tokens per cycle (k); each cycle emits 1 to k + 1 tokens.",
     )
-
-    @model_validator(mode="after")
-    def _check_decode(self) -> EngineConfig:
-        if self.decode == "speculative" and self.kind == "vllm":
-            raise ValueError(
-                "engine.decode speculative runs on the reference engine only (engine.kind = 'reference'); "
-                "the vLLM plugin's speculative path is not built yet"
-            )
-        return self
 
 
 class ScheduleConfig(ConfigSection):

@@ -69,10 +69,12 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 gpu_memory_utilization=e.gpu_memory_utilization,
                 enforce_eager=e.cuda_graphs == "off" or not cuda,
                 static_decode=e.cuda_graphs == "full" and cuda,
-                enable_lora=e.enable_lora,
+                # A DistillSparse adapter belongs to the drafts, which vLLM would apply to the verify too.
+                enable_lora=e.enable_lora and e.decode != "speculative",
                 max_lora_rank=e.max_lora_rank,
                 seed=e.seed,
                 tensor_parallel_size=e.tensor_parallel_size,
+                speculative_tokens=e.speculative_tokens if e.decode == "speculative" else 0,
             )
         )
     except EngineError as exc:

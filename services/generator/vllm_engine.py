@@ -34,11 +34,14 @@ from services.generator.engine import (
     RolloutEngine,
 )
 from services.generator.plugin import CUDA_BACKEND_NAME, STATIC_DECODE, WORKER_EXTENSION, engine_attention_backend
+from services.generator.plugin import enabled as plugin_enabled
 from services.generator.plugin.scheduled_decode import DENSE_PREFIX, PROBE_PREFIX
+from services.generator.plugin.self_draft import SELF_DRAFT
 from services.generator.weight_checks import check_adapter, check_policy, check_policy_names, checkpoint_layout
 from sparrow.budget import page_mismatch, step_budget
 from sparrow.probe import Probe, ProbeError, ProbePlan, ShareCounter
 from sparrow.schedule import Schedule
+from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
 from sparrow.work import PromptGroup
 
 _SEQUENCE_PREFIX = "seq:"  # request ids of sequences that follow the schedule
@@ -80,6 +83,7 @@ class VllmEngineConfig:
     attention_backend: str | None = None  # None: the plugin's (TRITON_ATTN on CUDA), else vLLM's choice
     static_decode: bool = False  # CUDA, graphs on: steps of pure decodes as full CUDA graphs (plugin.cuda_backend)
     tensor_parallel_size: int = 1  # past 1: vLLM's multiprocess executor, one worker per device
+    speculative_tokens: int = 0  # past 0: lossless self-speculative decoding, k drafts a cycle (plugin.self_draft)
 
 
 class VllmEngine(RolloutEngine):
@@ -106,6 +110,18 @@ class VllmEngine(RolloutEngine):
         if config.static_decode:
             _check_static_decode(config)
             extra[STATIC_DECODE] = True
+        speculative = None
+        if config.speculative_tokens:
+            _check_speculative(config)
+            extra[SELF_DRAFT] = True
+            # vLLM's draft-model method with the target's own folder: k lookahead slots, draft probabilities to
+            # the rejection sampler; the plugin's patches make the draft the target itself (plugin.self_draft).
+            speculative = {
+                "method": "draft_model",
+                "model": config.model,
+                "num_speculative_tokens": config.speculative_tokens,
+                "draft_sample_method": "probabilistic",
+            }
         self.config = config
         args = EngineArgs(
             model=config.model,
@@ -132,6 +148,7 @@ class VllmEngine(RolloutEngine):
             seed=config.seed,
             hf_overrides=overrides,
             additional_config=extra,
+            speculative_config=speculative,
         )
         self._engine = LLMEngine.from_engine_args(args)
         # vLLM checks prompt ids against its tokenizer, which is not loaded here (skip_tokenizer_init).
@@ -161,6 +178,11 @@ class VllmEngine(RolloutEngine):
     def set_schedule(self, schedule: Schedule | None) -> None:
         if schedule is not None and not self.sparse_layers:
             raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
+        if schedule is not None and self.config.speculative_tokens and not _sparse_layers(schedule, self.config.model):
+            raise EngineError(
+                f"decode speculative needs a schedule with a sparse layer; schedule v{schedule.version} keeps all "
+                "layers dense, so there is nothing to draft with"
+            )
         if schedule is not None and (mismatch := page_mismatch(schedule.page_size)):
             raise EngineError(mismatch)
         if self.sparse_layers:
@@ -174,9 +196,29 @@ class VllmEngine(RolloutEngine):
             self._probe = None
             self._apply_probe()
 
+    @property
+    def speculative(self) -> bool:
+        """Whether this engine decodes losslessly by self-speculation (every request; vLLM's choice is engine-wide)."""
+        return self.config.speculative_tokens > 0
+
+    def speculative_counts(self) -> dict[str, int]:
+        """vLLM's running totals of a speculative engine: `cycles` (steps that drafted), `drafted` and `accepted`
+        draft tokens (all 0 for a sparse engine)."""
+        names = {"vllm:spec_decode_num_drafts": "cycles", "vllm:spec_decode_num_draft_tokens": "drafted",
+                 "vllm:spec_decode_num_accepted_tokens": "accepted"}  # fmt: skip
+        out = dict.fromkeys(names.values(), 0)
+        if self.speculative:
+            for metric in self._engine.get_metrics():
+                if metric.name in names:
+                    out[names[metric.name]] += int(getattr(metric, "value", 0))
+        return out
+
     def set_probe(self, probe: Probe | None) -> None:
         if probe is not None and not self.sparse_layers:
             raise EngineError("the sparrow attention plugin is not active in this engine (SPARROW_ATTENTION=stock?)")
+        if probe is not None and self.speculative:
+            raise EngineError("probe refused: a speculative engine emits the dense policy's tokens only, so a lossy "
+                              "budget has no tail to show in them")  # fmt: skip
         old = self._probe
         self._probe = probe
         try:
@@ -230,6 +272,9 @@ class VllmEngine(RolloutEngine):
         self._versions = EngineVersions(version, self._versions.adapter_version, self._versions.schedule_version)
 
     def load_adapter(self, folder: Path, version: int) -> None:
+        if self.speculative:
+            raise EngineError(f"adapter v{version}: decode speculative does not take DistillSparse adapters yet (they "
+                              "belong to the drafts, and vLLM would apply them to the dense verify too)")  # fmt: skip
         if not self.config.enable_lora:
             raise EngineError("this engine was started without LoRA support (enable_lora = false)")
         from vllm.lora.request import LoRARequest
@@ -266,10 +311,20 @@ class VllmEngine(RolloutEngine):
             raise EngineError(f"group {group.group_id}: n must be at least 1, got {group.n}")
         if group.dense and not self._dense_rows:
             raise EngineError(f"group {group.group_id}: this engine's attention layers cannot decode a group densely")
-        if group.decode == "speculative" and not group.dense:
+        if group.decode == "speculative" and not group.dense and not self.speculative:
             raise EngineError(
-                f"group {group.group_id}: the vLLM engine cannot decode speculatively yet (the plugin's speculative "
-                "path is not built); the reference engine can"
+                f"group {group.group_id}: this vLLM engine decodes sparsely; speculative groups need an engine "
+                "started with engine.decode = speculative (vLLM speculates for every request or none)"
+            )
+        if group.decode == "sparse" and not group.dense and self.speculative:
+            raise EngineError(
+                f"group {group.group_id}: this vLLM engine decodes speculatively (lossless, for every request); "
+                "a lossy sparse group needs an engine started with engine.decode = sparse"
+            )
+        if self.speculative and s.top_p < 1.0:
+            raise EngineError(
+                f"group {group.group_id}: speculative decoding on vLLM samples its drafts at the temperature only; "
+                f"top_p {s.top_p} would make the drafts' distribution differ from the one verified (use top_p 1)"
             )
         if len(group.prompt_token_ids) + s.max_new_tokens > self.config.max_model_len:
             raise EngineError(
@@ -350,7 +405,9 @@ class VllmEngine(RolloutEngine):
             if not seq.started:
                 seq.started = started
             completion = out.outputs[0]
-            self._append(seq, completion, None if seq.group.dense else schedule, plan if seq.probe else None)
+            # A speculative engine emits only tokens of the dense policy: each is recorded with the dense budget.
+            follows = not (seq.group.dense or self.speculative)
+            self._append(seq, completion, schedule if follows else None, plan if seq.probe else None)
             if out.finished:
                 reason = FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH
                 if completion.finish_reason == "abort":
@@ -504,6 +561,35 @@ def _max_positions(model_dir: str) -> int:
         return int(json.loads((Path(model_dir) / "config.json").read_text()).get("max_position_embeddings", 1 << 30))
     except (OSError, ValueError):
         return 1 << 30
+
+
+def _check_speculative(config: VllmEngineConfig) -> None:
+    """Raise EngineError unless this engine can draft for itself: k in range, the plugin's CPU attention (whose
+    metadata builder marks draft steps), and none of the options the self-draft does not combine with yet."""
+    from vllm.platforms import current_platform
+
+    k = config.speculative_tokens
+    if not MIN_DRAFTS <= k <= MAX_DRAFTS:
+        raise EngineError(f"speculative_tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {k}")
+    if current_platform.is_cuda() or config.attention_backend not in (None, "CPU_ATTN") or not plugin_enabled():
+        raise EngineError("decode speculative on vLLM runs on the plugin's CPU attention only so far (its CUDA "
+                          "backend does not tell draft steps apart)")  # fmt: skip
+    refused = {
+        "static_decode": config.static_decode,
+        "enable_lora (a DistillSparse adapter belongs to the drafts, which vLLM would give the verify too)": (
+            config.enable_lora
+        ),
+        "tensor_parallel_size > 1": config.tensor_parallel_size > 1,
+    }
+    for option, on in refused.items():
+        if on:
+            raise EngineError(f"decode speculative on vLLM does not combine with {option}")
+
+
+def _sparse_layers(schedule: Schedule, model: str) -> int:
+    """How many of the model's layers `schedule` decodes sparsely."""
+    layers = int(json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"])
+    return layers - len({i for i in schedule.dense_layers if 0 <= i < layers})
 
 
 def _check_static_decode(config: VllmEngineConfig) -> None:

@@ -209,6 +209,12 @@ def resolve(
                     f"generator.engine.max_lora_rank {g.engine.max_lora_rank} is below trainer.distill.rank "
                     f"{trainer.distill.rank}"
                 )
+    for g in generators:
+        if g.engine.kind == "vllm" and g.engine.decode == "speculative" and trainer.sampling.top_p < 1:
+            raise ConfigError(
+                f"trainer.sampling.top_p {trainer.sampling.top_p}: vLLM's speculative decoding samples its drafts "
+                "at the temperature only, so it verifies top_p 1 alone; set top_p = 1 or decode sparse"
+            )
     controller = None
     if up.uses_controller:
         s = trainer.sampling

@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from services.generator.plugin.self_draft import DRAFTING
 from services.generator.plugin.sparse_impl import SparrowAttentionImpl
 
 
@@ -39,6 +40,12 @@ class SparrowCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
             scheduler_metadata=None,
             causal=bool(m.causal) if not isinstance(m.causal, torch.Tensor) else True,
         )
+
+    def build_for_drafting(self, common_attn_metadata, draft_index: int) -> CPUAttentionMetadata:
+        """A self-draft step's metadata (`self_draft`), marked so that the layers decode it under the schedule."""
+        metadata = self.build(0, common_attn_metadata, fast_build=True)
+        setattr(metadata, DRAFTING, True)
+        return metadata
 
 
 class SparrowCPUAttentionBackend(CPUAttentionBackend):

@@ -69,7 +69,33 @@ def keep_cpu_linear_weights() -> None:
     utils.dispatch_cpu_unquantized_gemm = keeping
 
 
-ALL = (qwen3_output_projection_bias, keep_cpu_linear_weights)
+def self_draft_proposer() -> None:
+    """The target model drafts for itself through block-sparse attention (`plugin.self_draft`, where the two
+    patched methods of vLLM's draft-model proposer and their reasons are)."""
+    from services.generator.plugin.self_draft import self_draft_proposer as patch
+
+    patch()
+
+
+def cpu_expand_kernel() -> None:
+    """Expand per-request floats on CPU correctly: torch in place of vLLM's C++ fallback of `expand_kernel`.
+
+    vLLM 0.32 runs its rejection sampler's Triton kernels on CPU through C++ fallbacks
+    (`vllm.utils.cpu_triton_utils`, registered by the platform after the plugins load). The one of
+    `expand_kernel` casts its output to int64 before the C++ call, so a float tensor (the per-request
+    temperature spread over draft positions) gets a copy written and keeps uninitialised memory: the
+    verify's logits are divided by garbage, and sampled speculative decoding emits NaN logprobs and accepts
+    a twelfth of the drafts of a draft identical to the target (greedy verification skips this kernel).
+    Installed before the platform registers its fallbacks, so vLLM registers this one instead.
+    """
+    from vllm.utils import cpu_triton_utils
+
+    from services.generator.plugin.cpu_expand import expand
+
+    cpu_triton_utils._expand_kernel_impl = expand
+
+
+ALL = (qwen3_output_projection_bias, keep_cpu_linear_weights, self_draft_proposer, cpu_expand_kernel)
 
 
 def apply_all() -> None:

@@ -230,6 +230,7 @@ class ScheduledDecode:
     _probe_rows: tuple[tuple, torch.Tensor] | None = None
     _dense_rows: tuple[tuple, torch.Tensor] | None = None
     static: StaticBudgets | None = None  # this layer's tables, from its first static decode on
+    forward_dense: bool = False  # this forward decodes every row densely (the target's, when drafting for itself)
     _context: DecodeContext | None = None
 
     @property
@@ -269,8 +270,9 @@ class ScheduledDecode:
             self.static.fill(self.schedule, self._dense_under(self.schedule), self.probe_pages)
 
     def decodes_densely(self) -> bool:
-        """True when this layer decodes every row densely now (no schedule, or a dense layer)."""
-        return self._dense_under(self.schedule)
+        """True when this layer decodes every row densely now (no schedule, a dense layer, or a forward of the
+        target in a self-drafting engine: `forward_dense`)."""
+        return self.forward_dense or self._dense_under(self.schedule)
 
     def _dense_under(self, schedule: Schedule | None) -> bool:
         return schedule is None or self.layer_index in schedule.dense_layers

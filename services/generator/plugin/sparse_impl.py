@@ -24,6 +24,7 @@ from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
 from kernels import PAGE_SIZE, new_centroids, update_centroids
 from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
+from services.generator.plugin.self_draft import DRAFTING, SELF_DRAFT
 
 __all__ = ["SparrowAttentionImpl", "layer_index_of", "split_kv_cache"]
 
@@ -35,6 +36,17 @@ def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     nb, h, bs, d2 = kv_cache.shape
     halves = kv_cache.view(2, nb, h, bs, d2 // 2)
     return halves[0], halves[1]
+
+
+def _self_drafting_engine() -> bool:
+    """Whether the engine being built drafts for itself (`self_draft`): its layers then decode densely but in drafts."""
+    from vllm.config import get_current_vllm_config
+
+    try:
+        config = get_current_vllm_config()
+    except (AssertionError, RuntimeError):  # a layer made outside an engine (tests, benches)
+        return False
+    return bool((config.additional_config or {}).get(SELF_DRAFT)) and config.speculative_config is not None
 
 
 class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
@@ -66,6 +78,7 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = None
+        self.speculative = _self_drafting_engine()
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_cache, v_cache = split_kv_cache(kv_cache)
@@ -98,6 +111,8 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
             return output
         if self.layer_index is None:
             self.layer_index = layer_index_of(layer.layer_name)
+        # Speculative: the target's forwards (verify, prefill, rows without drafts) attend densely, drafts sparsely.
+        self.forward_dense = self.speculative and not getattr(attn_metadata, DRAFTING, False)
         k_cache, v_cache = split_kv_cache(kv_cache)
         if self.centroids is None or self.centroids.shape[0] != k_cache.shape[0]:
             self.centroids = new_centroids(k_cache)

@@ -93,7 +93,6 @@ def test_weights_address_defaults_to_the_trainer_address():
         ({"generator_id": ""}, "generator_id"),
         ({"engine.kind": "reference", "engine.speculative_tokens": 17}, "engine.speculative_tokens"),
         ({"engine.kind": "reference", "engine.speculative_tokens": 0}, "engine.speculative_tokens"),
-        ({"engine.decode": "speculative"}, "vLLM plugin's speculative path is not built yet"),
         ({"engine.kind": "reference", "engine.decode": "lossy"}, "engine.decode"),
     ],
 )
@@ -101,3 +100,8 @@ def test_bad_values_are_one_line_errors(override, message):
     with pytest.raises(ConfigError, match=message) as info:
         load_config(GeneratorConfig, overrides=override)
     assert "\n" not in str(info.value)
+
+
+def test_speculative_decode_is_a_vllm_engine_setting_too():
+    config = load_config(GeneratorConfig, overrides={"engine.decode": "speculative", "engine.speculative_tokens": 4})
+    assert (config.engine.kind, config.engine.decode, config.engine.speculative_tokens) == ("vllm", "speculative", 4)

@@ -138,8 +138,12 @@ def test_generators_load_adapters_only_when_the_trainer_trains_them(tmp_path):
             "generator.engine.decode speculative cannot take yet",
         ),
         (
-            {"engine": "vllm", "generator": {"engine": {"decode": "speculative"}}},
-            "the vLLM plugin's speculative path is not built yet",
+            {
+                "engine": "vllm",
+                "trainer": {"sampling": {"top_p": 0.9}},
+                "generator": {"engine": {"decode": "speculative"}},
+            },
+            "trainer.sampling.top_p 0.9: vLLM's speculative decoding samples its drafts at the temperature only",
         ),
         ({"generator": {"bogus": 1}}, "unknown config key 'generator.bogus'"),
         ({"trainer": {"steps": 3}}, "trainer.steps is set by sparrow up; use steps / --steps"),

@@ -1,0 +1,117 @@
+"""Lossless self-speculative decoding in vLLM 0.32: the target model drafts for itself through block-sparse
+attention over its own KV cache, and vLLM's dense verify and rejection sampler keep every token exact.
+
+The engine asks for vLLM's `draft_model` method with the target's own folder as the draft and probabilistic
+draft sampling (`VllmEngine`, `decode = "speculative"`), which gives what the self-draft needs from vLLM
+unchanged: k lookahead KV slots reserved per request, `propose()` called with the verify's attention
+metadata, the draft's full distributions handed to the rejection sampler, and the emitted tokens' logprobs
+taken from the verify's (dense) logits. Two named patches of `DraftModelProposer` make the draft the target
+itself (only when the engine's `additional_config` carries `SELF_DRAFT`; a real draft model is untouched):
+
+- `load_model`: the draft *is* the target module (no second model, no second KV cache; a policy reload
+  updates both), and its attention layers are all the target's. vLLM's own would load a second copy and
+  take as draft layers "all layers minus the target's", which is none here.
+- `propose`: k one-token decode steps from each row's next token. vLLM's draft-model path first re-runs
+  every token the target just ran (the draft model keeps a KV cache of its own); the target's KV for them
+  is already in the cache, and re-running them sparsely would overwrite it. Each step advances positions,
+  slots and sequence lengths with vLLM's own step kernel (`_update_positions_dependent_metadata`), builds
+  the attention metadata through the layers' builder for drafting (which marks it, so the plugin decodes
+  it under the schedule) and samples with vLLM's draft sampler (temperature applied, full probabilities).
+
+A draft step writes the KV of its position into the slot the next verify pass writes again, so the draft
+never leaves a trace in the cache the target reads; the target's forwards decode every row densely
+(`ScheduledDecode` under `speculative`), rows without drafts too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+SELF_DRAFT = "sparrow_self_draft"  # the key in vLLM's additional_config that turns the patches on
+DRAFTING = "sparrow_drafting"  # the attribute the metadata builder sets on a draft step's attention metadata
+
+
+def _self_drafting(proposer) -> bool:
+    return bool((proposer.vllm_config.additional_config or {}).get(SELF_DRAFT))
+
+
+def _attention_layers(vllm_config) -> dict:
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    return get_layers_from_vllm_config(vllm_config, AttentionLayerBase)  # type: ignore[type-abstract]
+
+
+def self_draft_proposer() -> None:
+    """Patch `DraftModelProposer.load_model` and `propose` (see the module doc); idempotent."""
+    from vllm.v1.spec_decode.draft_model import DraftModelProposer
+
+    if getattr(DraftModelProposer.propose, "_sparrow_patched", False):
+        return
+    load_model, propose = DraftModelProposer.load_model, DraftModelProposer.propose
+
+    @functools.wraps(load_model)
+    def load_target_as_draft(self, target_model) -> None:
+        if not _self_drafting(self):
+            return load_model(self, target_model)
+        self.model = target_model
+        layers = _attention_layers(self.vllm_config)
+        self._draft_attn_layer_names = {
+            name for name, layer in layers.items() if layer.get_kv_cache_spec(self.vllm_config) is not None
+        }
+
+    @functools.wraps(propose)
+    def propose_from_target(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                            next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                            *args, **kwargs):  # fmt: skip
+        if not _self_drafting(self):
+            return propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                           next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                           *args, **kwargs)  # fmt: skip
+        return _draft(self, num_speculative_tokens, target_positions, next_token_ids, token_indices_to_sample,
+                      common_attn_metadata, sampling_metadata)  # fmt: skip
+
+    load_target_as_draft._sparrow_patched = True
+    propose_from_target._sparrow_patched = True
+    DraftModelProposer.load_model = load_target_as_draft
+    DraftModelProposer.propose = propose_from_target
+
+
+def _draft(self, k, target_positions, next_token_ids, token_indices_to_sample, cad, sampling_metadata):
+    """k draft tokens per row, [rows, k], from each row's next token on (its draft probabilities kept)."""
+    import torch
+    from vllm.forward_context import set_forward_context
+
+    self.num_speculative_tokens = k
+    self._last_draft_probs = None
+    rows = cad.batch_size()
+    if token_indices_to_sample is None:  # one query token per row: each row's last token is its own
+        token_indices_to_sample = cad.query_start_loc[1 : rows + 1] - 1
+    # The last token the target accepted in each row; its next token goes at the position after it.
+    last = target_positions[token_indices_to_sample].to(torch.int64)
+    self.positions[:rows] = last
+    positions = self.positions[:rows]
+    cad.seq_lens = (last + 1).to(cad.seq_lens.dtype)  # a new tensor: the step kernel writes it in place
+    cad.seq_lens_cpu_upper_bound = None
+    cad.max_seq_len = int(cad.seq_lens.max()) if rows else 0
+    cad.num_actual_tokens = rows
+    cad.max_query_len = 1
+    cad.query_start_loc = self.arange[: rows + 1]
+    cad.query_start_loc_cpu = torch.from_numpy(self.token_arange_np[: rows + 1]).clone()
+    tokens, probs = [next_token_ids], []
+    for step in range(k):
+        positions = self._update_positions_dependent_metadata(positions, cad, rows, rows, self.block_size)
+        _, per_layer = self.build_per_group_and_layer_attn_metadata(cad, draft_index=step + 1)
+        self.input_ids[:rows] = tokens[-1].int()
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=rows,
+                                 slot_mapping=self._get_slot_mapping(rows)):  # fmt: skip
+            hidden = self.model(input_ids=self.input_ids[:rows], positions=self._get_positions(rows))
+        if isinstance(hidden, tuple):
+            hidden = hidden[0]
+        drafted, p = self._sample_draft_tokens(hidden[:rows], sampling_metadata)
+        tokens.append(drafted)
+        if p is not None:
+            probs.append(p)
+    if probs:
+        self._last_draft_probs = torch.stack(probs, dim=1).contiguous()
+    return torch.stack(tokens[1:], dim=1)
