@@ -39,6 +39,8 @@ class RolloutBenchResult:
     dense_layers: list[int]
     alpha_p5_per_bin: dict[str, float] = field(default_factory=dict)
     alpha_tokens_per_bin: dict[str, int] = field(default_factory=dict)
+    # With speculative_tokens > 0: a second engine decodes the same prompts losslessly (plugin.self_draft).
+    speculative: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,10 +51,10 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[i
     return [tuple(rng.randrange(3, vocab) for _ in range(prompt_len)) for _ in range(batch)]
 
 
-def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None] | None = None):
+def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None] | None = None, temperature=1.0):
     """(the finished samples, seconds); `log` gets a line at every tenth of the generation length."""
     for i, p in enumerate(prompts):
-        engine.submit(PromptGroup(f"{tag}{i}", p, 1, 0, Sampling(max_new_tokens=gen_len)))
+        engine.submit(PromptGroup(f"{tag}{i}", p, 1, 0, Sampling(max_new_tokens=gen_len, temperature=temperature)))
     out: list[FinishedSample] = []
     start = time.perf_counter()
     steps, every = 0, max(1, gen_len // 10)
@@ -61,7 +63,7 @@ def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None
         steps += 1  # a decode step generates one token of every running sequence (EOS is ignored)
         if log is not None and (steps % every == 0 or not engine.in_flight):
             t = time.perf_counter() - start
-            log(f"bench rollout: {tag} {min(steps, gen_len)}/{gen_len} tokens per sequence, {t:.0f} s")
+            log(f"bench rollout: {tag} step {steps} ({gen_len} tokens per sequence), {t:.0f} s")
     return out, time.perf_counter() - start
 
 
@@ -89,6 +91,8 @@ def run_rollout_bench(
     enforce_eager: bool = True,
     static_decode: bool = False,
     log: Callable[[str], None] | None = None,
+    speculative_tokens: int = 0,
+    greedy_check: int = 256,
 ) -> RolloutBenchResult:
     """Generate the same batch dense, then sparse, with one engine; see the module docstring. Progress goes
     to `log` (default: stderr, so that stdout holds the figures alone)."""
@@ -100,30 +104,42 @@ def run_rollout_bench(
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-    max_len = prompt_len + gen_len + 16
-    engine = VllmEngine(
-        VllmEngineConfig(
-            model=model,
-            max_model_len=max_len,
-            max_num_seqs=batch,
-            ignore_eos=True,
-            seed=seed,
-            enforce_eager=enforce_eager,
-            static_decode=static_decode,
-            enable_prefix_caching=False,
-            kv_cache_gib=max(1, -(-batch * max_len * _kv_bytes_per_token(cfg) // (1 << 30)) + 1),
+    max_len = prompt_len + gen_len + 16 + speculative_tokens
+
+    def make(k: int) -> VllmEngine:
+        return VllmEngine(
+            VllmEngineConfig(
+                model=model,
+                max_model_len=max_len,
+                max_num_seqs=batch,
+                ignore_eos=True,
+                seed=seed,
+                enforce_eager=enforce_eager,
+                static_decode=static_decode,
+                enable_prefix_caching=False,
+                kv_cache_gib=max(1, -(-batch * max_len * _kv_bytes_per_token(cfg) // (1 << 30)) + 1),
+                speculative_tokens=k,
+            )
         )
-    )
+
+    prompts = _prompts(batch, prompt_len, vocab, seed)
+    greedy = min(greedy_check, gen_len)
+    engine = make(0)
     try:
-        prompts = _prompts(batch, prompt_len, vocab, seed)
         _generate(engine, prompts[:1], 8, "warmup")  # first-step allocations off the clock
         say(f"bench rollout: engine ready; {batch} sequences of {prompt_len} + {gen_len} tokens, dense then sparse")
         engine.set_schedule(None)
         dense, dense_s = _generate(engine, prompts, gen_len, "dense", say)
+        if speculative_tokens:
+            dense_greedy, _ = _generate(engine, prompts, greedy, "dense-greedy", None, temperature=0.0)
         engine.set_schedule(schedule)
         sparse, sparse_s = _generate(engine, prompts, gen_len, "sparse", say)
     finally:
         engine.close()
+    speculative = {}
+    if speculative_tokens:
+        speculative = _speculative(make(speculative_tokens), schedule, prompts, gen_len, greedy, dense_greedy,
+                                   len(dense) * gen_len / dense_s, say)  # fmt: skip
     tokens = sum(len(s.token_ids) for s in dense)
     sparse_tokens = sum(len(s.token_ids) for s in sparse)
     dense_layers = len([i for i in schedule.dense_layers if i < layers])
@@ -141,11 +157,45 @@ def run_rollout_bench(
         attended_kv_fraction=attended_fraction(sparse, layers, dense_layers),
         layers=layers,
         dense_layers=sorted(schedule.dense_layers),
+        speculative=speculative,
     )
     if check_alpha:
         say("bench rollout: scoring the sparse tokens densely (--check-alpha)")
         result.alpha_p5_per_bin, result.alpha_tokens_per_bin = _alpha_tail(model, sparse, schedule)
     return result
+
+
+def _speculative(engine, schedule, prompts, gen_len, greedy, dense_greedy, dense_rate, say) -> dict:
+    """The same prompts decoded losslessly at T = 1 (tokens/s, acceptance), then greedily against dense greedy."""
+    try:
+        engine.set_schedule(schedule)
+        _generate(engine, prompts[:1], 8, "warmup")
+        say(f"bench rollout: speculative engine ready, k = {engine.config.speculative_tokens}")
+        start = engine.speculative_counts()
+        samples, seconds = _generate(engine, prompts, gen_len, "speculative", say)
+        counts = {k: v - start[k] for k, v in engine.speculative_counts().items()}
+        spec_greedy, _ = _generate(engine, prompts, greedy, "speculative-greedy", None, temperature=0.0)
+    finally:
+        engine.close()
+    by_id = {s.group_id.removeprefix("dense-greedy"): s.token_ids for s in dense_greedy}
+    first_difference = []
+    for s in spec_greedy:
+        ref = by_id[s.group_id.removeprefix("speculative-greedy")]
+        pairs = enumerate(zip(ref, s.token_ids, strict=True))
+        first_difference.append(next((i for i, (a, b) in pairs if a != b), None))
+    rate = sum(len(s.token_ids) for s in samples) / seconds
+    return {
+        "speculative_tokens": engine.config.speculative_tokens,
+        "tokens_per_s": rate,
+        "seconds": seconds,
+        "ratio_to_dense": rate / dense_rate,
+        "acceptance": counts["accepted"] / counts["drafted"] if counts["drafted"] else None,
+        "tokens_per_cycle": (counts["accepted"] + counts["cycles"]) / counts["cycles"] if counts["cycles"] else None,
+        "cycles": counts["cycles"],
+        "greedy_tokens_compared": greedy,
+        "speculative_identical_to_dense": all(d is None for d in first_difference),
+        "greedy_first_difference": first_difference,
+    }
 
 
 def _kv_bytes_per_token(cfg: dict) -> int:

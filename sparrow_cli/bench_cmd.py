@@ -54,15 +54,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--decode",
         choices=("sparse", "speculative"),
         default="sparse",
-        help="sparse: dense then sparse on vLLM (default); speculative: dense, sparse and lossless speculative on the "
-        "reference engine (vLLM's speculative path is not built), on the model's chain task",
+        help="sparse: dense then sparse (default); speculative: also lossless speculative decoding of the same "
+        "prompts, and greedy output compared with dense",
+    )
+    r.add_argument(
+        "--engine",
+        choices=("vllm", "reference"),
+        default="vllm",
+        help="vllm: the generator's engine, random prompts (default); reference, with --decode speculative: the "
+        "project's torch engine on the model's chain task",
     )
     r.add_argument("--speculative-tokens", type=int, default=6, help="--decode speculative: drafts per cycle, k (6)")
-    r.add_argument("--prompts", type=int, default=1, help="--decode speculative: held-out task prompts (default 1)")
-    r.add_argument("--samples", type=int, default=1, help="--decode speculative: samples per prompt at T=1 (1)")
-    r.add_argument("--task-pairs", type=int, default=64, help="--decode speculative: chain task pairs (64)")
-    r.add_argument("--task-min-hops", type=int, default=96, help="--decode speculative: fewest hops (96)")
-    r.add_argument("--task-hops", type=int, default=128, help="--decode speculative: most hops (128)")
+    r.add_argument("--greedy-check", type=int, default=128, help="--decode speculative: greedy tokens compared (128)")
+    r.add_argument("--prompts", type=int, default=1, help="--engine reference: held-out task prompts (default 1)")
+    r.add_argument("--samples", type=int, default=1, help="--engine reference: samples per prompt at T=1 (1)")
+    r.add_argument("--task-pairs", type=int, default=64, help="--engine reference: chain task pairs (64)")
+    r.add_argument("--task-min-hops", type=int, default=96, help="--engine reference: fewest hops (96)")
+    r.add_argument("--task-hops", type=int, default=128, help="--engine reference: most hops (128)")
     r.add_argument("--json", action="store_true", help="print JSON")
     q = sub.add_parser("parity", help="the generator's sparse logprobs vs the trainer's teacher-forced sparse scoring")
     q.add_argument("--model", default="models/small", help="HF model folder (default models/small)")

@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
 from sparrow_cli.errors import CliError, require_positive
 
 
@@ -44,7 +45,6 @@ def _schedule(spec: str):
 def _speculative(args: argparse.Namespace):
     from bench.speculative import run_speculative_bench
     from offline.calibrate import task_prompts
-    from sparrow.speculative import MAX_DRAFTS, MIN_DRAFTS
     from sparrow.tasks import ChainTask, TaskError
     from sparrow_cli.model_cmd import built_filler
     from trainer.model_io import ModelLoadError, load_tokenizer
@@ -75,10 +75,16 @@ def _layers(model: str) -> int:
 
 
 def _run(args: argparse.Namespace):
-    if args.bench == "rollout" and args.decode == "speculative":
+    if args.bench == "rollout" and args.decode == "speculative" and args.engine == "reference":
         return _speculative(args)
     if args.bench == "rollout":
         from bench.rollout import run_rollout_bench
+
+        speculative = args.decode == "speculative"
+        if speculative and not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
+            k = args.speculative_tokens
+            raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {k}")
+        require_positive(args, "greedy_check")
 
         return run_rollout_bench(
             args.model,
@@ -89,6 +95,8 @@ def _run(args: argparse.Namespace):
             check_alpha=args.check_alpha,
             enforce_eager=not args.compile,
             static_decode=args.static_decode,
+            speculative_tokens=args.speculative_tokens if speculative else 0,
+            greedy_check=args.greedy_check,
         )
     from bench.parity import run_parity_bench
 
@@ -116,7 +124,7 @@ def run_engine_bench(args: argparse.Namespace) -> int:
 
         emit_json(d)
         return 0
-    if args.bench == "rollout" and args.decode == "speculative":
+    if args.bench == "rollout" and args.decode == "speculative" and args.engine == "reference":
         _print_speculative(d)
     elif args.bench == "rollout":
         print(
@@ -128,6 +136,14 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         )
         if d["alpha_p5_per_bin"]:
             print("  p5 of alpha per bin: " + ", ".join(f"{k}: {v:.3f}" for k, v in d["alpha_p5_per_bin"].items()))
+        if s := d["speculative"]:
+            same = "yes" if s["speculative_identical_to_dense"] else f"no, from {s['greedy_first_difference']}"
+            print(
+                f"  speculative {s['tokens_per_s']:8.1f} tokens/s  ({s['seconds']:.1f} s), {s['ratio_to_dense']:.2f}x "
+                f"dense, lossless; k = {s['speculative_tokens']}, acceptance {s['acceptance']:.3f}, "
+                f"{s['tokens_per_cycle']:.2f} tokens a cycle\n"
+                f"  greedy speculative identical to dense over {s['greedy_tokens_compared']} tokens: {same}"
+            )
     else:
         print(
             f"parity over {d['tokens']} generated tokens ({d['sparse_tokens']} decoded sparsely, mean attended KV "

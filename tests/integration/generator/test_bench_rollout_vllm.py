@@ -14,8 +14,8 @@ def test_dense_then_sparse_rollouts_of_the_same_batch_with_progress_shown():
     assert r.returncode == 0, r.stderr[-3000:]
     progress = [line for line in r.stderr.splitlines() if line.startswith("bench rollout: ")]
     assert progress[0].startswith("bench rollout: engine ready; 2 sequences of 16 + 40 tokens")
-    assert any(line.startswith("bench rollout: dense 40/40 tokens") for line in progress)
-    assert progress[-1].startswith("bench rollout: sparse 40/40 tokens")
+    assert any(line.startswith("bench rollout: dense step 40 (40 tokens per sequence)") for line in progress)
+    assert progress[-1].startswith("bench rollout: sparse step 40 (40 tokens per sequence)")
     d = json.loads(r.stdout)  # stdout is the JSON object alone
     assert (d["model"], d["schedule"], d["prompt_len"], d["gen_len"], d["batch"]) == (
         "models/small", "small-default", 16, 40, 2)  # fmt: skip
@@ -25,6 +25,22 @@ def test_dense_then_sparse_rollouts_of_the_same_batch_with_progress_shown():
     assert d["layers"] == 4 and d["dense_layers"] == [0, 1]
     # Layers 0-1 whole; at 16-56 tokens of KV the sparse layers' budget (at least 64) covers the context too.
     assert d["attended_kv_fraction"] == 1.0
+    assert d["speculative"] == {}
+
+
+def test_speculative_rollouts_of_the_same_prompts_are_lossless_and_counted():
+    r = sparrow_process(
+        "bench", "rollout", "--decode", "speculative", "--speculative-tokens", "4", "--model", "models/small",
+        "--prompt-len", "16", "--gen-len", "160", "--batch", "2", "--greedy-check", "160",
+        "--schedule", "bench/schedules/small-aggressive.json", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "bench rollout: speculative engine ready, k = 4" in r.stderr
+    s = json.loads(r.stdout)["speculative"]
+    assert s["speculative_tokens"] == 4 and s["greedy_tokens_compared"] == 160
+    assert s["speculative_identical_to_dense"] and s["greedy_first_difference"] == [None, None]
+    assert abs(s["tokens_per_s"] * s["seconds"] - 320) < 1e-6  # 2 x 160 tokens, EOS ignored
+    assert 0 < s["acceptance"] <= 1 and 1 <= s["tokens_per_cycle"] <= 5 and s["cycles"] >= 320 / 5
 
 
 def test_a_model_of_ones_own_needs_its_schedule_named():

@@ -1,4 +1,5 @@
-"""`sparrow bench rollout --decode speculative`: dense, lossy sparse and speculative on one engine, one run."""
+"""`sparrow bench rollout --decode speculative --engine reference`: dense, lossy sparse and speculative on the
+reference engine and the model's chain task, one run (the vLLM engine's is in tests/integration/generator)."""
 
 import json
 
@@ -12,7 +13,8 @@ def test_the_three_modes_on_the_models_own_task_and_greedy_speculation_equal_to_
     schedule = tmp_path / "s.json"
     schedule.write_text(json.dumps(AGGRESSIVE))
     r = sparrow(
-        "bench", "rollout", "--decode", "speculative", "--model", "models/tiny", "--schedule", schedule,
+        "bench", "rollout", "--decode", "speculative", "--engine", "reference", "--model", "models/tiny",
+        "--schedule", schedule,
         "--prompts", "2", "--samples", "2", "--speculative-tokens", "4", *TASK, "--json",
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -31,7 +33,7 @@ def test_the_three_modes_on_the_models_own_task_and_greedy_speculation_equal_to_
 
 
 def test_bad_speculative_bench_input_is_refused_in_one_line(tmp_path):
-    base = ("bench", "rollout", "--decode", "speculative", "--model", "models/tiny")
+    base = ("bench", "rollout", "--decode", "speculative", "--engine", "reference", "--model", "models/tiny")
     r = sparrow(*base, "--schedule", "qwen3-1.7b-0.86", "--speculative-tokens", "17")
     assert r.returncode == 2 and "--speculative-tokens must be in [1, 16]" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
@@ -41,3 +43,9 @@ def test_bad_speculative_bench_input_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2 and "no sparse layer" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = sparrow(*base, "--schedule", "qwen3-1.7b-0.86", "--samples", "0")
     assert r.returncode == 2 and "--samples must be positive" in r.stderr
+
+
+def test_the_vllm_speculative_bench_refuses_a_k_out_of_range_before_any_engine_starts():
+    r = sparrow("bench", "rollout", "--decode", "speculative", "--speculative-tokens", "0")
+    assert r.returncode == 2 and "--speculative-tokens must be in [1, 16], got 0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
