@@ -29,6 +29,7 @@ class RolloutBenchResult:
     prompt_len: int
     gen_len: int
     batch: int
+    prompts: str  # "random" token ids, or the model's chain task (its label)
     dense_tokens_per_s: float
     sparse_tokens_per_s: float
     speedup: float
@@ -93,6 +94,8 @@ def run_rollout_bench(
     log: Callable[[str], None] | None = None,
     speculative_tokens: int = 0,
     greedy_check: int = 256,
+    task_prompts: list[tuple[int, ...]] | None = None,
+    task_label: str = "",
 ) -> RolloutBenchResult:
     """Generate the same batch dense, then sparse, with one engine; see the module docstring. Progress goes
     to `log` (default: stderr, so that stdout holds the figures alone)."""
@@ -104,6 +107,8 @@ def run_rollout_bench(
 
     cfg = json.loads((Path(model) / "config.json").read_text())
     layers, vocab = int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+    if task_prompts is not None:  # the model's own task: each response runs to its EOS (at most gen_len tokens)
+        prompt_len = max(len(p) for p in task_prompts)
     max_len = prompt_len + gen_len + 16 + speculative_tokens
 
     def make(k: int) -> VllmEngine:
@@ -112,7 +117,7 @@ def run_rollout_bench(
                 model=model,
                 max_model_len=max_len,
                 max_num_seqs=batch,
-                ignore_eos=True,
+                ignore_eos=task_prompts is None,
                 seed=seed,
                 enforce_eager=enforce_eager,
                 static_decode=static_decode,
@@ -122,7 +127,7 @@ def run_rollout_bench(
             )
         )
 
-    prompts = _prompts(batch, prompt_len, vocab, seed)
+    prompts = _prompts(batch, prompt_len, vocab, seed) if task_prompts is None else [tuple(p) for p in task_prompts]
     greedy = min(greedy_check, gen_len)
     engine = make(0)
     try:
@@ -139,7 +144,7 @@ def run_rollout_bench(
     speculative = {}
     if speculative_tokens:
         speculative = _speculative(make(speculative_tokens), schedule, prompts, gen_len, greedy, dense_greedy,
-                                   len(dense) * gen_len / dense_s, say)  # fmt: skip
+                                   sum(len(s.token_ids) for s in dense) / dense_s, say)  # fmt: skip
     tokens = sum(len(s.token_ids) for s in dense)
     sparse_tokens = sum(len(s.token_ids) for s in sparse)
     dense_layers = len([i for i in schedule.dense_layers if i < layers])
@@ -149,6 +154,7 @@ def run_rollout_bench(
         prompt_len=prompt_len,
         gen_len=gen_len,
         batch=batch,
+        prompts="random" if task_prompts is None else task_label,
         dense_tokens_per_s=tokens / dense_s,
         sparse_tokens_per_s=sparse_tokens / sparse_s,
         speedup=(sparse_tokens / sparse_s) / (tokens / dense_s),
@@ -181,8 +187,11 @@ def _speculative(engine, schedule, prompts, gen_len, greedy, dense_greedy, dense
     first_difference = []
     for s in spec_greedy:
         ref = by_id[s.group_id.removeprefix("speculative-greedy")]
-        pairs = enumerate(zip(ref, s.token_ids, strict=True))
-        first_difference.append(next((i for i, (a, b) in pairs if a != b), None))
+        pairs = enumerate(zip(ref, s.token_ids, strict=False))
+        first = next((i for i, (a, b) in pairs if a != b), None)
+        if first is None and len(ref) != len(s.token_ids):  # one ended (EOS) where the other went on
+            first = min(len(ref), len(s.token_ids))
+        first_difference.append(first)
     rate = sum(len(s.token_ids) for s in samples) / seconds
     return {
         "speculative_tokens": engine.config.speculative_tokens,

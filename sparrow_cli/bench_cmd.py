@@ -66,11 +66,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     r.add_argument("--speculative-tokens", type=int, default=6, help="--decode speculative: drafts per cycle, k (6)")
     r.add_argument("--greedy-check", type=int, default=128, help="--decode speculative: greedy tokens compared (128)")
+    r.add_argument(
+        "--task",
+        action="store_true",
+        help="vllm: --batch prompts of the model's chain task (--task-* flags), each response to its EOS, instead of "
+        "random prompts generating --gen-len tokens",
+    )
     r.add_argument("--prompts", type=int, default=1, help="--engine reference: held-out task prompts (default 1)")
     r.add_argument("--samples", type=int, default=1, help="--engine reference: samples per prompt at T=1 (1)")
-    r.add_argument("--task-pairs", type=int, default=64, help="--engine reference: chain task pairs (64)")
-    r.add_argument("--task-min-hops", type=int, default=96, help="--engine reference: fewest hops (96)")
-    r.add_argument("--task-hops", type=int, default=128, help="--engine reference: most hops (128)")
+    r.add_argument("--task-pairs", type=int, default=64, help="--task or --engine reference: chain task pairs (64)")
+    r.add_argument("--task-min-hops", type=int, default=96, help="--task or --engine reference: fewest hops (96)")
+    r.add_argument("--task-hops", type=int, default=128, help="--task or --engine reference: most hops (128)")
     r.add_argument("--json", action="store_true", help="print JSON")
     q = sub.add_parser("parity", help="the generator's sparse logprobs vs the trainer's teacher-forced sparse scoring")
     q.add_argument("--model", default="models/small", help="HF model folder (default models/small)")

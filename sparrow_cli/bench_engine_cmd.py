@@ -44,28 +44,35 @@ def _schedule(spec: str):
 
 def _speculative(args: argparse.Namespace):
     from bench.speculative import run_speculative_bench
+
+    if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
+        raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
+    require_positive(args, "prompts", "samples")
+    spec = _rollout_schedule(args)
+    schedule = _schedule(spec)
+    if len({layer for layer in schedule.dense_layers if layer < _layers(args.model)}) >= _layers(args.model):
+        raise CliError(f"--schedule {spec}: no sparse layer on this model, so nothing to draft with")
+    prompts, max_new, label = _task(args, args.prompts)
+    return run_speculative_bench(args.model, schedule, prompts, max_new, args.samples, args.speculative_tokens, label)
+
+
+def _task(args: argparse.Namespace, count: int) -> tuple[list, int, str]:
+    """(`count` held-out chain-task prompts of the model, the longest response plus a margin, the task's label)."""
     from offline.calibrate import task_prompts
     from sparrow.tasks import ChainTask, TaskError
     from sparrow_cli.model_cmd import built_filler
     from trainer.model_io import ModelLoadError, load_tokenizer
 
-    if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
-        raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
-    require_positive(args, "prompts", "samples", "task_pairs", "task_min_hops", "task_hops")
-    spec = _rollout_schedule(args)
-    schedule = _schedule(spec)
-    if len({layer for layer in schedule.dense_layers if layer < _layers(args.model)}) >= _layers(args.model):
-        raise CliError(f"--schedule {spec}: no sparse layer on this model, so nothing to draft with")
+    require_positive(args, "task_pairs", "task_min_hops", "task_hops")
     filler = built_filler(args.model)
     try:
         task = ChainTask(args.task_pairs, args.task_hops, args.task_min_hops, filler=filler)
         _, prompts, label = task_prompts(
-            load_tokenizer(args.model), args.task_pairs, args.task_hops, 0, args.prompts, 0, task.min_hops, filler
+            load_tokenizer(args.model), args.task_pairs, args.task_hops, 0, count, 0, task.min_hops, filler
         )
     except (TaskError, ModelLoadError, ValueError) as exc:
         raise CliError(f"--model {args.model}: {exc}") from None
-    max_new = task.sequence_tokens() - task.prompt_tokens() + 8
-    return run_speculative_bench(args.model, schedule, prompts, max_new, args.samples, args.speculative_tokens, label)
+    return prompts, task.sequence_tokens() - task.prompt_tokens() + 8, label
 
 
 def _layers(model: str) -> int:
@@ -85,18 +92,21 @@ def _run(args: argparse.Namespace):
             k = args.speculative_tokens
             raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {k}")
         require_positive(args, "greedy_check")
+        task = _task(args, args.batch) if args.task else None
 
         return run_rollout_bench(
             args.model,
             _schedule(_rollout_schedule(args)),
             args.prompt_len,
-            args.gen_len,
+            args.gen_len if task is None else task[1],
             args.batch,
             check_alpha=args.check_alpha,
             enforce_eager=not args.compile,
             static_decode=args.static_decode,
             speculative_tokens=args.speculative_tokens if speculative else 0,
             greedy_check=args.greedy_check,
+            task_prompts=None if task is None else task[0],
+            task_label="" if task is None else task[2],
         )
     from bench.parity import run_parity_bench
 
@@ -128,8 +138,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
         _print_speculative(d)
     elif args.bench == "rollout":
         print(
-            f"rollout {d['batch']} x ({d['prompt_len']} + {d['gen_len']}) tokens, {d['model']}, "
-            f"schedule {d['schedule']}\n"
+            f"rollout {d['batch']} x ({d['prompt_len']} + {d['gen_len']}) tokens, {d['prompts']} prompts, "
+            f"{d['model']}, schedule {d['schedule']}\n"
             f"  dense  {d['dense_tokens_per_s']:8.1f} tokens/s  ({d['dense_seconds']:.1f} s)\n"
             f"  sparse {d['sparse_tokens_per_s']:8.1f} tokens/s  ({d['sparse_seconds']:.1f} s)\n"
             f"  speedup {d['speedup']:.2f}x, attended KV {d['attended_kv_fraction']:.1%} of the context"

@@ -9,9 +9,8 @@ ours to choose.
 
 Per step (`forward`, after `do_kv_cache_update` wrote the step's keys and values):
   1. centroids of the pages the step wrote are recomputed (one page per decoding row);
-  2. rows with more than one query token attend densely: a short one (a speculative verify, at most
-     `SHORT_QUERIES` tokens) through the paged decode kernel with one row per query position, a prefill
-     chunk with torch SDPA over its pages, causally from its offset;
+  2. rows with more than one query token (prefill chunks) attend densely with torch SDPA over their
+     pages, causally from their offset;
   3. rows with one query token decode: densely in the schedule's dense layers, when there is no
      schedule, or when the row is short; otherwise with the schedule's budget at the row's length
      (sink + local + top-k pages by centroid score), batched across rows and heads.
@@ -23,15 +22,11 @@ import torch
 import torch.nn.functional as F
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kernels import PAGE_SIZE, new_centroids, sparse_decode_attention, update_centroids
+from kernels import PAGE_SIZE, new_centroids, update_centroids
 from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
 from services.generator.plugin.self_draft import DRAFTING, SELF_DRAFT
 
 __all__ = ["SparrowAttentionImpl", "layer_index_of", "split_kv_cache"]
-
-# Rows of at most this many query tokens (a speculative verify: k + 1 <= 17) attend through the paged decode
-# kernel, one row per query position; longer prefill chunks through SDPA over a copy of their prefix.
-SHORT_QUERIES = 17
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,29 +138,10 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         if decoding.numel():
             at = starts[decoding]
             out[at] = self.decode_rows(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding], decoding)
-        short = ((q_lens > 1) & (q_lens <= SHORT_QUERIES)).nonzero().squeeze(1)
-        if short.numel():  # speculative verifies, and short chunks: dense decode, one row per query position
-            self._short_rows(q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, short)
-        for r in (q_lens > SHORT_QUERIES).nonzero().squeeze(1).tolist():
+        for r in (q_lens > 1).nonzero().squeeze(1).tolist():
             s, e = int(starts[r]), int(starts[r + 1])
             out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
         return output
-
-    def _short_rows(self, q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, rows) -> None:
-        # Causal attention of a few queries is the dense paged decode of each query position as a row of its own
-        # (the same blocks, the KV length up to and including that position): one batched kernel call over the
-        # cache in place, where the prefill path copies each row's prefix out of the cache.
-        counts = q_lens[rows]
-        row_of = torch.repeat_interleave(rows, counts)
-        first = torch.repeat_interleave(starts[rows], counts)
-        offset = torch.arange(int(counts.sum()), device=q.device) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts
-        )
-        at = first + offset
-        lens = seq_lens[row_of] - q_lens[row_of] + 1 + offset
-        out[at] = sparse_decode_attention(
-            q[at], k_cache, v_cache, block_table[row_of], lens, None, self.scale, self.workspace, backend=self.backend
-        )
 
     def _refresh_last_pages(self, k_cache, block_table, seq_lens) -> None:
         # `kernels.update_centroids_ref` for exactly one written token per row, without its generality

@@ -212,24 +212,3 @@ def test_layers_share_rows_and_plans_only_through_their_workers_context():
     another.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Sequential(Layer()))
     assert another.sparrow_attention_layers() == 1 and another._sparrow_context() is not worker._sparrow_context()
 
-
-def test_short_query_rows_attend_through_the_decode_kernel_exactly_as_the_prefill_path():
-    """A speculative verify (a few query tokens per row) takes the paged decode kernel, one row per query
-    position; it must equal the prefill path's causal SDPA over the same pages."""
-    from services.generator.plugin.sparse_impl import SHORT_QUERIES, SparrowAttentionImpl
-
-    torch.manual_seed(0)
-    impl = SparrowAttentionImpl(4, 16, 0.25, 2, None, None, "auto")
-    blocks, bs = 12, 16
-    k_cache, v_cache = torch.randn(blocks, 2, bs, 16), torch.randn(blocks, 2, bs, 16)
-    block_table = torch.tensor([[3, 7, 1, 0], [5, 2, 9, 11]], dtype=torch.int32)
-    seq_lens = torch.tensor([40, 57])
-    q_lens = torch.tensor([7, SHORT_QUERIES])
-    starts = torch.tensor([0, 7, 7 + SHORT_QUERIES])
-    q = torch.randn(int(q_lens.sum()), 4, 16)
-    out = torch.zeros_like(q)
-    impl._short_rows(q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, torch.tensor([0, 1]))
-    for r in range(2):
-        s, e = int(starts[r]), int(starts[r + 1])
-        ref = impl._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
-        assert torch.allclose(out[s:e], ref, atol=1e-5), float((out[s:e] - ref).abs().max())
