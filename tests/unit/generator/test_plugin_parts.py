@@ -211,4 +211,3 @@ def test_layers_share_rows_and_plans_only_through_their_workers_context():
     another = SparrowWorkerExtension()
     another.model_runner = SimpleNamespace(get_model=lambda: torch.nn.Sequential(Layer()))
     assert another.sparrow_attention_layers() == 1 and another._sparrow_context() is not worker._sparrow_context()
-
