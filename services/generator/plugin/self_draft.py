@@ -20,7 +20,7 @@ itself (only when the engine's `additional_config` carries `SELF_DRAFT`; a real 
 
 A draft step writes the KV of its position into the slot the next verify pass writes again, so the draft
 never leaves a trace in the cache the target reads; the target's forwards decode every row densely
-(`ScheduledDecode` under `speculative`), rows without drafts too.
+(`SparrowAttentionImpl.forward_dense` in a self-drafting engine), rows without drafts too.
 """
 
 from __future__ import annotations
