@@ -398,6 +398,8 @@ class VllmEngine(RolloutEngine):
         prefill = any(not seq.token_ids for seq in self._sequences.values())
         with self._phase("prefill") if prefill else nullcontext():
             outputs = self._engine.step()
+        done = [o.request_id for o in outputs if o.finished and o.request_id in self._sequences]
+        drafts = self._rpc("sparrow_take_drafts", done) if self.speculative and done else {}
         for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:
@@ -412,7 +414,7 @@ class VllmEngine(RolloutEngine):
                 reason = FINISH_STOP if completion.finish_reason == "stop" else FINISH_LENGTH
                 if completion.finish_reason == "abort":
                     reason = FINISH_ABORTED
-                finished.append(self._finish(out.request_id, reason))
+                finished.append(self._finish(out.request_id, reason, drafts.get(out.request_id, ())))
         return finished
 
     def _expire_probe(self) -> None:
@@ -444,7 +446,7 @@ class VllmEngine(RolloutEngine):
         out, self._generated = self._generated, []
         return out
 
-    def _finish(self, request_id: str, reason: str) -> FinishedSample:
+    def _finish(self, request_id: str, reason: str, drafts=()) -> FinishedSample:
         seq = self._sequences.pop(request_id)
         group_ids = self._by_group.get(seq.group.group_id, [])
         if request_id in group_ids:
@@ -466,12 +468,21 @@ class VllmEngine(RolloutEngine):
             queue_seconds=max(0.0, (seq.started or now) - seq.submitted),
             generate_seconds=max(0.0, now - (seq.started or now)),
             probe=seq.probe,
+            # A speculative engine's full cycles, k drafts each: (alpha, accepted, KV length of the draft step).
+            speculative_tokens=self.config.speculative_tokens if drafts else 0,
+            drafted_tokens=len(drafts),
+            accepted_tokens=sum(1 for _, ok, _ in drafts if ok),
+            draft_alphas=[float(a) for a, _, _ in drafts],
+            draft_accepted=[bool(ok) for _, ok, _ in drafts],
+            draft_kv_lens=[int(kv) for _, _, kv in drafts],
         )
 
     def abort(self, group_id: str) -> None:
         ids = self._by_group.pop(group_id, [])
         if ids:
             self._engine.abort_request(ids)
+            if self.speculative and self._engine is not None:
+                self._rpc("sparrow_take_drafts", ids)  # their drafts' notes go with them
         for rid in ids:
             self._sequences.pop(rid, None)
 

@@ -115,3 +115,58 @@ def _draft(self, k, target_positions, next_token_ids, token_indices_to_sample, c
     if probs:
         self._last_draft_probs = torch.stack(probs, dim=1).contiguous()
     return torch.stack(tokens[1:], dim=1)
+
+
+def note_drafts() -> None:
+    """Patch the model runner's `_sample` to note, per request, every verified draft of a full cycle: alpha
+    (sum_x min(p, q) of the verify's and the draft's distributions), whether it was accepted, and the KV
+    length of the draft step that made it. The worker extension hands the notes out
+    (`sparrow_take_drafts`), so a sample reports its drafts as the reference engine's do. Only when
+    self-drafting (`SELF_DRAFT`); a short cycle (fewer than k drafts, at a sample's end) is not noted."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    sample = GPUModelRunner._sample
+    if getattr(sample, "_sparrow_patched", False):
+        return
+
+    @functools.wraps(sample)
+    def sample_and_note(self, logits, spec_decode_metadata):
+        out = sample(self, logits, spec_decode_metadata)
+        if spec_decode_metadata is not None and logits is not None and _self_drafting(self):
+            _note(self, logits, spec_decode_metadata, out.sampled_token_ids)
+        return out
+
+    sample_and_note._sparrow_patched = True
+    GPUModelRunner._sample = sample_and_note
+
+
+def _note(runner, logits, meta, sampled) -> None:
+    import torch
+
+    counts = [int(c) for c in meta.num_draft_tokens]
+    n = sum(counts)
+    if n == 0 or len(counts) > len(runner.input_batch.req_ids):  # nothing drafted, or a warm-up batch
+        return
+    k = runner.vllm_config.speculative_config.num_speculative_tokens
+    batch = runner.input_batch
+    rows = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    drafts = meta.draft_token_ids[:n].long()
+    target = logits[meta.target_logits_indices].double()
+    temperature = batch.sampling_metadata.temperature
+    greedy = torch.ones(n, dtype=torch.bool) if temperature is None else (temperature[rows].double() < 1e-5)
+    # Greedy rows: one-hot p and q, so alpha is 1 where the draft is the verify's argmax, else 0.
+    alphas = (target.argmax(-1) == drafts).double()
+    q = runner._get_spec_decode_draft_probs(meta)
+    if q is not None and bool((~greedy).any()):
+        p = torch.softmax(target / temperature[rows].double().clamp(min=1e-5)[:, None], dim=-1)
+        alphas = torch.where(greedy, alphas, torch.minimum(p, q[:n].double()).sum(-1))
+    # Emitted tokens per row (placeholders are -1): the accepted drafts, then one more.
+    accepted = ((sampled >= 0).sum(1) - 1).tolist()
+    notes = runner.__dict__.setdefault("_sparrow_drafts", {})
+    start = 0
+    for r, count in enumerate(counts):
+        if count == k:
+            first = int(batch.num_computed_tokens_cpu[r])  # the row's next token: draft j (from 1) sits at first + j
+            row = notes.setdefault(batch.req_ids[r], [])
+            row.extend((float(alphas[start + j]), j < accepted[r], first + j + 1) for j in range(count))
+        start += count

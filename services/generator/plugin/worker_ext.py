@@ -47,6 +47,17 @@ class SparrowWorkerExtension:
             impl.set_schedule(schedule)
         return len(impls)
 
+    def sparrow_take_drafts(self, request_ids: list[str]) -> dict[str, list[tuple[float, bool, int]]]:
+        """Hand out and forget the drafts noted for these requests (`self_draft.note_drafts`): per request, in
+        order, (alpha, accepted, KV length of the draft step). vLLM's own ids carry a suffix after `-`."""
+        notes = getattr(self.model_runner, "_sparrow_drafts", None) or {}
+        out: dict[str, list] = {}
+        for key in list(notes):
+            rid = next((r for r in request_ids if key == r or key.startswith(r + "-")), None)
+            if rid is not None:
+                out[rid] = notes.pop(key)
+        return out
+
     def sparrow_set_probe(self, pages: list[int] | None) -> int:
         """Rows of probe requests (`scheduled_decode.PROBE_PREFIX`) decode at `pages[bin]` pages from the
         next step on (None: they follow the schedule like every row). Returns the layers that took it."""

@@ -88,6 +88,9 @@ def test_greedy_output_is_dense_greedy_token_for_token_with_the_schedule_swapped
         assert not bool(wrong.any()), f"{s.group_id}: not the dense argmax at {wrong.nonzero()[:5].tolist()}"
         exempt += int((margin < EPS).sum())
         assert all(b == 0 for b in s.kv_budgets)  # every emitted token is the dense policy's
+        # Greedy: alpha is 1 where the draft is the verify's argmax, and only such a draft is accepted.
+        assert set(s.draft_alphas) <= {0.0, 1.0}
+        assert all(a == 1.0 for a, ok in zip(s.draft_alphas, s.draft_accepted, strict=True) if ok)
     assert exempt <= 6, exempt
     counts = {k: v - before[k] for k, v in engine.speculative_counts().items()}
     # The drafts ran under the schedule: some were rejected (dense drafts are all accepted), most accepted.
@@ -104,6 +107,22 @@ def test_sampled_tokens_carry_the_dense_policys_logprobs(engine):
         diff = (torch.tensor(s.logprobs, dtype=torch.float64) - ref).abs().max()
         assert float(diff) < 1e-4, f"{s.group_id}/{s.sample_index}: max |engine - dense| = {float(diff):.2e}"
         assert len(s.top_token_ids[0]) == 20  # the top-20 of the dense verify, as for any rollout
+    # Every full cycle's drafts, noted in the engine: alpha from the verify's and the draft's distributions,
+    # acceptance a prefix of each cycle, the draft steps' KV lengths consecutive within it.
+    alphas, accepted = [], []
+    for s in out:
+        assert s.speculative_tokens == 4 and s.drafted_tokens == len(s.draft_alphas) > 0 and s.drafted_tokens % 4 == 0
+        assert len(s.draft_accepted) == len(s.draft_kv_lens) == s.drafted_tokens
+        assert s.accepted_tokens == sum(s.draft_accepted)
+        for c in range(0, s.drafted_tokens, 4):
+            flags, kv = s.draft_accepted[c : c + 4], s.draft_kv_lens[c : c + 4]
+            assert flags == sorted(flags, reverse=True) and kv == list(range(kv[0], kv[0] + 4))
+            assert len(s.prompt_token_ids) < kv[0] <= len(s.prompt_token_ids) + len(s.token_ids)
+        assert all(0.0 <= a <= 1.0 + 1e-9 for a in s.draft_alphas)
+        alphas += s.draft_alphas
+        accepted += s.draft_accepted
+    # A draft is accepted with probability alpha: over hundreds of drafts the two means agree closely.
+    assert abs(sum(alphas) / len(alphas) - sum(accepted) / len(accepted)) < 0.06
 
 
 FALSE_ALARM = 1e-3  # each chi-square check fails a correct sampler with this probability
