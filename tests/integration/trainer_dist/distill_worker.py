@@ -119,6 +119,7 @@ def main(out: str, first: int = 0, last: int = 3, ckpt_out: str = "", ckpt_in: s
         adapter = {k: v.detach().cpu().clone() for k, v in distill.distill.adapter_tensors().items()}
         torch.save({"params": {k: v.detach().clone() for k, v in full.items()}, "adapter": adapter}, out + ".pt")
     if distributed.active():
+        torch.distributed.barrier()  # every rank done before any leaves (see publish_worker.py)
         torch.distributed.destroy_process_group()
 
 

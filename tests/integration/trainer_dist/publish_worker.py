@@ -43,6 +43,10 @@ def main(out: str, *cases: str) -> None:
         save_hf_policy(model, folder, model_dir, dtype, shard_bytes)
         if folder is not None:
             (Path(out) / f"{i // 3}.done").write_text(f"{distributed.world_size()}\n")
+    if distributed.active():
+        # Every rank past its last gather before any leaves: a gloo peer torn down while the other still
+        # finishes a collective aborts that one ("terminate called without an active exception", seen in CI).
+        torch.distributed.barrier()
     distributed.close()
 
 

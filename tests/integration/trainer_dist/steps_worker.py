@@ -93,6 +93,7 @@ def main(out: str, first: int = 0, last: int = 3, ckpt_out: str = "", ckpt_in: s
         Path(out).write_text(json.dumps({"world_size": distributed.world_size(), "steps": steps}))
         torch.save({k: v.detach().clone() for k, v in state.items()}, out + ".pt")
     if distributed.active():
+        torch.distributed.barrier()  # every rank done before any leaves (see publish_worker.py)
         torch.distributed.destroy_process_group()
 
 
