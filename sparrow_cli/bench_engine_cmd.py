@@ -45,8 +45,7 @@ def _schedule(spec: str):
 def _speculative(args: argparse.Namespace):
     from bench.speculative import run_speculative_bench
 
-    if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
-        raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
+    _check_drafts(args)
     require_positive(args, "prompts", "samples")
     spec = _rollout_schedule(args)
     schedule = _schedule(spec)
@@ -75,6 +74,11 @@ def _task(args: argparse.Namespace, count: int) -> tuple[list, int, str]:
     return prompts, task.sequence_tokens() - task.prompt_tokens() + 8, label
 
 
+def _check_drafts(args: argparse.Namespace) -> None:
+    if not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
+        raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {args.speculative_tokens}")
+
+
 def _layers(model: str) -> int:
     import json
 
@@ -88,9 +92,8 @@ def _run(args: argparse.Namespace):
         from bench.rollout import run_rollout_bench
 
         speculative = args.decode == "speculative"
-        if speculative and not MIN_DRAFTS <= args.speculative_tokens <= MAX_DRAFTS:
-            k = args.speculative_tokens
-            raise CliError(f"--speculative-tokens must be in [{MIN_DRAFTS}, {MAX_DRAFTS}], got {k}")
+        if speculative:
+            _check_drafts(args)
         require_positive(args, "greedy_check")
         task = _task(args, args.batch) if args.task else None
 
