@@ -1,5 +1,6 @@
 """Block-sparse attention kernels over a paged KV cache: block scoring, top-k block selection with
-sink and local pages, sparse decode attention, and its teacher-forced (training-side) twin.
+sink and local pages, sparse decode attention, its teacher-forced (training-side) twin, and the dense
+causal attention of several query tokens a row (prefill chunks, speculative verifies).
 
 Every op has a plain-torch reference (`*_ref`, runs anywhere, differentiable where it matters) and
 a Triton kernel (`*_triton`, for GPUs); scoring, selection and decode attention also have a C++
@@ -28,6 +29,8 @@ _HOMES = {
     "sparse_decode_attention": "decode",
     "sparse_decode_attention_ref": "decode",
     "sparse_decode_attention_triton": "decode",
+    "paged_prefill_attention": "prefill",
+    "paged_prefill_attention_ref": "prefill",
     "PAGE_SIZE": "pages",
     "num_pages": "pages",
     "DecodeBounds": "inputs",

@@ -118,3 +118,24 @@ def select_blocks_cpu(
     """Same contract as `select_blocks_ref` (bit-identical selection), computed by the CPU extension."""
     check_selection_inputs(scores, seq_lens, budgets, sink, local)
     return cpu_extension().select_pages(scores.float(), seq_lens, budgets, sink, local)
+
+
+def paged_prefill_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Same contract as `paged_prefill_attention_ref`, computed by the CPU extension (no gradients)."""
+    from .prefill import check_prefill_inputs
+
+    check_paged_cache(k_cache, v_cache, block_table, seq_lens)
+    check_prefill_inputs(q, k_cache, seq_lens, query_start_loc)
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale
+    out = cpu_extension().paged_prefill(
+        q, k_cache.contiguous(), v_cache.contiguous(), block_table, seq_lens, query_start_loc, float(scale)
+    )
+    return out.to(q.dtype)

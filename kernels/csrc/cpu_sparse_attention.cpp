@@ -199,6 +199,36 @@ void page_update_f32(const float* qv, const float* kb, const float* vb, int64_t 
 }
 #endif
 
+// One page of online softmax for one query vector, any cache dtype and head_dim: the first `valid` tokens
+// of the page update the running max m, sum l and accumulator acc.
+template <typename T>
+inline void page_update(const float* qv, const T* kb, const T* vb, int64_t valid, float scale, int64_t d, float& m,
+                        float& l, float* acc) {
+  float logits[kPage];
+  float page_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < valid; ++t) {
+    logits[t] = dot(qv, kb + t * d, d) * scale;
+    page_max = std::max(page_max, logits[t]);
+  }
+  const float new_m = std::max(m, page_max);
+  float w[kPage];
+#pragma omp simd
+  for (int64_t t = 0; t < valid; ++t) w[t] = exp_nonpositive(logits[t] - new_m);
+  const float correction = exp_nonpositive(m - new_m);
+  float sum = l * correction;
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) acc[i] *= correction;
+  for (int64_t t = 0; t < valid; ++t) {
+    const float wt = w[t];
+    sum += wt;
+    const T* vt = vb + t * d;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += wt * static_cast<float>(vt[i]);
+  }
+  l = sum;
+  m = new_m;
+}
+
 using PageUpdate = void (*)(const float*, const float*, const float*, int64_t, float, float&, float&, float*);
 
 template <typename T>
@@ -231,7 +261,6 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / heads, h = item % heads;
       std::vector<float> acc(g * d, 0.f), m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
-      float logits[kPage];
       const int64_t len = lens[r];
       const int64_t n_pages = (len + kPage - 1) / kPage;
       const int64_t n = pages ? max_sel : n_pages;
@@ -258,30 +287,8 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
           continue;
         }
         for (int64_t gi = 0; gi < g; ++gi) {
-          const float* qv = qp + (r * hq + h * g + gi) * d;
-          float page_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < valid; ++t) {
-            logits[t] = dot(qv, kb + t * d, d) * static_cast<float>(scale);
-            page_max = std::max(page_max, logits[t]);
-          }
-          const float new_m = std::max(m[gi], page_max);
-          float w[kPage];
-#pragma omp simd
-          for (int64_t t = 0; t < valid; ++t) w[t] = exp_nonpositive(logits[t] - new_m);
-          const float correction = exp_nonpositive(m[gi] - new_m);
-          float* a = acc.data() + gi * d;
-          float sum = l[gi] * correction;
-#pragma omp simd
-          for (int64_t i = 0; i < d; ++i) a[i] *= correction;
-          for (int64_t t = 0; t < valid; ++t) {
-            const float wt = w[t];
-            sum += wt;
-            const T* vt = vb + t * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) a[i] += wt * static_cast<float>(vt[i]);
-          }
-          l[gi] = sum;
-          m[gi] = new_m;
+          page_update(qp + (r * hq + h * g + gi) * d, kb, vb, valid, static_cast<float>(scale), d, m[gi], l[gi],
+                      acc.data() + gi * d);
         }
       }
       for (int64_t gi = 0; gi < g; ++gi) {
@@ -324,8 +331,105 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   return out;
 }
 
+template <typename T>
+void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                  const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int64_t* starts, int64_t rows,
+                  double scale, torch::Tensor& out) {
+  const int64_t hq = q.size(1), d = q.size(2);
+  const int64_t heads = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = hq / heads;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const PageUpdate fast = fast_page_update<T>(d);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads;
+      const int64_t s0 = starts[r], q_len = starts[r + 1] - starts[r], len = lens[r];
+      if (q_len <= 0) continue;
+      const int64_t first = len - q_len;  // position of the row's first query token
+      const int64_t nq = q_len * g;
+      std::vector<float> acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
+      auto page_ptr = [&](const T* base, int64_t p) {
+        const int64_t blk = bt[r * bt_stride + (p * kPage) / bs];
+        return base + ((blk * heads + h) * bs + (p * kPage) % bs) * d;
+      };
+      const int64_t n_pages = (len + kPage - 1) / kPage;
+      for (int64_t p = 0; p < n_pages; ++p) {
+        if (p + 1 < n_pages) {
+          prefetch(page_ptr(kp, p + 1), kPage * d * sizeof(T));
+          prefetch(page_ptr(vp, p + 1), kPage * d * sizeof(T));
+        }
+        const int64_t valid = std::min<int64_t>(kPage, len - p * kPage);
+        const T* kb = page_ptr(kp, p);
+        const T* vb = page_ptr(vp, p);
+        // The page stays in L1 while every query token of the row reads it, each up to its own position.
+        for (int64_t i = 0; i < q_len; ++i) {
+          const int64_t upto = std::min<int64_t>(valid, first + i - p * kPage + 1);
+          if (upto <= 0) continue;
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float* qv = qp + ((s0 + i) * hq + h * g + gi) * d;
+            const int64_t j = i * g + gi;
+            if (fast) {
+              fast(qv, reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb), upto, sc, m[j], l[j],
+                   acc.data() + j * d);
+            } else {
+              page_update(qv, kb, vb, upto, sc, d, m[j], l[j], acc.data() + j * d);
+            }
+          }
+        }
+      }
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const int64_t j = i * g + gi;
+          float* dst = op + ((s0 + i) * hq + h * g + gi) * d;
+          const float inv = l[j] > 0.f ? 1.f / l[j] : 0.f;
+          for (int64_t x = 0; x < d; ++x) dst[x] = acc[j * d + x] * inv;
+        }
+      }
+    }
+  });
+}
+
+// out[t, hq] = causal attention of the query tokens q[t] over their row's cached tokens: row r's tokens are
+// q[query_start_loc[r] : query_start_loc[r + 1]], the last ones of its seq_lens[r], so its i-th query token
+// attends positions 0 .. seq_lens[r] - q_len + i. Dense; each (row, KV head) walks its pages once for all of
+// the row's query tokens (a verify of k drafts reads the prefix once, not k + 1 times). Returns float32.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                            torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
+              "q must be [tokens, q_heads, head_dim] matching the cache");
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto bt = block_table.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  auto starts = query_start_loc.to(torch::kLong).contiguous();
+  const int64_t rows = lens.size(0);
+  TORCH_CHECK(starts.dim() == 1 && starts.size(0) == rows + 1, "query_start_loc must be [rows + 1]");
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= rows, "block_table must be [rows, blocks]");
+  const int64_t* sp = starts.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  TORCH_CHECK(sp[0] >= 0 && sp[rows] <= q.size(0), "query_start_loc reaches past q");
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(sp[r + 1] >= sp[r] && lp[r] >= sp[r + 1] - sp[r],
+                "each row needs seq_len >= its query tokens, and query_start_loc must not decrease");
+    TORCH_CHECK((lp[r] + k_cache.size(2) - 1) / k_cache.size(2) <= bt.size(1), "a row is longer than its block table");
+  }
+  auto out = torch::zeros(qf.sizes(), qf.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, k_cache.scalar_type(), "paged_prefill", [&] {
+    prefill_impl<scalar_t>(qf, k_cache, v_cache, bt.data_ptr<int64_t>(), bt.size(1), lp, sp, rows, scale, out);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("score_pages", &score_pages, "page scores against centroids, read in place");
   m.def("select_pages", &select_pages, "top-k page selection with sink and local pages");
   m.def("sparse_decode", &sparse_decode, "block-sparse decode attention over a paged cache, read in place");
+  m.def("paged_prefill", &paged_prefill, "dense causal attention of several query tokens a row, read in place");
 }

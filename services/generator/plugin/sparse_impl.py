@@ -9,8 +9,9 @@ ours to choose.
 
 Per step (`forward`, after `do_kv_cache_update` wrote the step's keys and values):
   1. centroids of the pages the step wrote are recomputed (one page per decoding row);
-  2. rows with more than one query token (prefill chunks) attend densely with torch SDPA over their
-     pages, causally from their offset;
+  2. rows with more than one query token (prefill chunks, speculative verifies) attend densely and causally
+     from their offset: short ones in place through `kernels.paged_prefill_attention` (each page read once for
+     all of a row's tokens), long ones with torch SDPA over their prefix copied out of the pages;
   3. rows with one query token decode: densely in the schedule's dense layers, when there is no
      schedule, or when the row is short; otherwise with the schedule's budget at the row's length
      (sink + local + top-k pages by centroid score), batched across rows and heads.
@@ -19,14 +20,17 @@ Per step (`forward`, after `do_kv_cache_update` wrote the step's keys and values
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kernels import PAGE_SIZE, new_centroids, update_centroids
+from kernels import PAGE_SIZE, new_centroids, paged_prefill_attention, paged_prefill_attention_ref, update_centroids
 from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
 from services.generator.plugin.self_draft import DRAFTING, SELF_DRAFT
 
 __all__ = ["SparrowAttentionImpl", "layer_index_of", "split_kv_cache"]
+
+IN_PLACE_QUERY_TOKENS = 64
+"""rows with at most this many query tokens (a speculative verify has k + 1 <= 17) attend through the paged
+prefill kernel in place; longer prefill chunks copy their prefix out for SDPA"""
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,10 +142,30 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         if decoding.numel():
             at = starts[decoding]
             out[at] = self.decode_rows(q[at], k_cache, v_cache, block_table[decoding], seq_lens[decoding], decoding)
-        for r in (q_lens > 1).nonzero().squeeze(1).tolist():
-            s, e = int(starts[r]), int(starts[r + 1])
-            out[s:e] = self._prefill(q[s:e], k_cache, v_cache, block_table[r], int(seq_lens[r]))
+        multi = (q_lens > 1).nonzero().squeeze(1)
+        if multi.numel():
+            self._prefill_rows(q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, multi)
         return output
+
+    def _prefill_rows(self, q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, rows) -> None:
+        # Short rows (a verify's k + 1 tokens) attend in place in one call, each page read once for all of a
+        # row's tokens; a long prefill chunk copies its prefix out for SDPA, whose matrix products win there.
+        short = rows[q_lens[rows] <= IN_PLACE_QUERY_TOKENS]
+        if short.numel():
+            spans = [torch.arange(int(starts[r]), int(starts[r + 1])) for r in short.tolist()]
+            at = torch.cat(spans).to(q.device)
+            sub_starts = torch.zeros(short.numel() + 1, dtype=torch.int64)
+            sub_starts[1:] = q_lens[short].cpu().cumsum(0)
+            out[at] = paged_prefill_attention(
+                q[at], k_cache, v_cache, block_table[short], seq_lens[short], sub_starts.to(q.device), self.scale,
+                backend=self.backend,
+            )  # fmt: skip
+        for r in rows[q_lens[rows] > IN_PLACE_QUERY_TOKENS].tolist():
+            s, e = int(starts[r]), int(starts[r + 1])
+            out[s:e] = paged_prefill_attention_ref(
+                q[s:e], k_cache, v_cache, block_table[r : r + 1], seq_lens[r : r + 1],
+                torch.tensor([0, e - s], device=q.device), self.scale,
+            )  # fmt: skip
 
     def _refresh_last_pages(self, k_cache, block_table, seq_lens) -> None:
         # `kernels.update_centroids_ref` for exactly one written token per row, without its generality
@@ -155,18 +179,3 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         filled = pos - page * PAGE_SIZE + 1
         mask = torch.arange(PAGE_SIZE, device=keys.device)[None, :] < filled[:, None]
         self.centroids[blocks, :, slots] = (keys * mask[:, None, :, None]).sum(dim=2) / filled[:, None, None].float()
-
-    def _prefill(self, q, k_cache, v_cache, block_row, seq_len: int) -> torch.Tensor:
-        # Causal attention of the chunk's queries (the last q_len positions) over the row's whole prefix.
-        bs = k_cache.shape[2]
-        blocks = block_row[: -(-seq_len // bs)].long()
-        h, d = k_cache.shape[1], k_cache.shape[3]
-        k = k_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
-        v = v_cache[blocks].permute(1, 0, 2, 3).reshape(h, -1, d)[:, :seq_len]
-        q_len = q.shape[0]
-        positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None].to(k.dtype), k[None], v[None], attn_mask=mask, scale=self.scale, enable_gqa=True
-        )
-        return o[0].transpose(0, 1).to(q.dtype)
