@@ -198,3 +198,55 @@ def test_options_the_self_draft_cannot_combine_with_are_refused_at_start(change,
     with pytest.raises(EngineError) as caught:
         VllmEngine(VllmEngineConfig(model=str(SMALL), max_model_len=512, **change))
     assert message in str(caught.value)
+
+
+def _perturbed_policy(folder: Path) -> Path:
+    """`small` with every weight moved by noise: a policy version whose greedy text departs from small's."""
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(11)
+    tensors = load_file(SMALL / "model.safetensors")
+    moved = {k: (v + 0.4 * v.std() * torch.randn(v.shape, generator=g)).contiguous() for k, v in tensors.items()}
+    folder.mkdir()
+    save_file(moved, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def _decode_with_push(engine, prompt, tokens: int, policy: Path | None, push_at) -> tuple[list[int], int]:
+    """Greedy decode of `prompt` for `tokens` tokens, `policy` pushed between two engine steps once `push_at(n)`
+    holds of the n tokens generated so far; returns the tokens and the n at the push."""
+    engine.take_generated()  # what earlier decodes left
+    engine.submit(PromptGroup("push", prompt, 1, 0, Sampling(max_new_tokens=tokens, temperature=0.0)))
+    done, generated, pushed_at = [], 0, -1
+    while engine.in_flight:
+        done += engine.step()
+        generated += sum(len(g.kv_budgets) for g in engine.take_generated() if g.group_id == "push")
+        if policy is not None and pushed_at < 0 and push_at(generated):
+            engine.load_policy(policy, 9)
+            pushed_at = generated
+    return done[0].token_ids, pushed_at
+
+
+def test_a_policy_pushed_mid_decode_is_served_as_a_dense_engine_serves_it(engine, tmp_path):
+    # The dense reference of a sequence whose policy changes mid-decode is a dense engine given the same push
+    # after the same number of tokens (its KV from before the push stays, as the speculative engine's does).
+    from services.generator.vllm_engine import VllmEngine, VllmEngineConfig
+
+    from sparrow.tasks import ChainTask, ExampleStream, encode_words
+    from sparrow.tasks.vocab import BOS, TOKEN_TO_ID
+
+    new = _perturbed_policy(tmp_path / "v9")
+    example = ExampleStream(ChainTask(32, 60, min_hops=60), seed=3, split="heldout").take(1)[0]
+    prompt = (TOKEN_TO_ID[BOS], *encode_words(example.prompt))  # the task small solves: text, not a loop
+    spec, at = _decode_with_push(engine, prompt, 240, new, lambda n: n >= 80)
+    assert 80 <= at < 100 and engine.versions.policy_version == 9
+    dense_engine = VllmEngine(VllmEngineConfig(model=str(SMALL), max_model_len=1024, max_num_seqs=4, ignore_eos=True))
+    try:
+        unpushed, _ = _decode_with_push(dense_engine, prompt, 240, None, None)
+        dense, dense_at = _decode_with_push(dense_engine, prompt, 240, new, lambda n: n == at)
+    finally:
+        dense_engine.close()
+    assert dense_at == at
+    assert unpushed[:at] == dense[:at] and unpushed != dense  # the push changed what the dense policy writes
+    assert spec == dense
+    engine.load_policy(SMALL, 10)  # the module's other tests read small's distribution
