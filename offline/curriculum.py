@@ -28,6 +28,8 @@ class CurriculumConfig:
     name_pool: int = 64
     final_pairs: int = 64
     final_hops: int = 200
+    final_min_hops: int = 1
+    """fewest hops of the last stage: above 1, a continued build spends its steps on the long solutions"""
     pairs_growth: float = 1.25
     """pairs of stage s = min(final, ceil(start * growth**s))"""
     hops_growth: float = 1.45
@@ -52,6 +54,10 @@ def stage_tasks(cfg: CurriculumConfig) -> list[ChainTask]:
         hops = min(cfg.final_hops, math.ceil(cfg.start_hops * cfg.hops_growth**s - 1e-9))
         tasks.append(ChainTask(pairs, hops, name_pool=cfg.name_pool, filler=cfg.filler))
         s += 1
+    if cfg.final_min_hops > 1:
+        last = tasks[-1]
+        tasks[-1] = ChainTask(last.pairs, last.max_hops, min_hops=min(cfg.final_min_hops, last.max_hops),
+                              name_pool=cfg.name_pool, filler=cfg.filler)  # fmt: skip
     return tasks
 
 
@@ -68,10 +74,11 @@ class Batch:
 class Curriculum:
     """Stateful, deterministic for a seed: which stage we are at and the batches to train on."""
 
-    def __init__(self, cfg: CurriculumConfig, seed: int) -> None:
+    def __init__(self, cfg: CurriculumConfig, seed: int, start_at_last: bool = False) -> None:
         self.cfg = cfg
         self.tasks = stage_tasks(cfg)
-        self.stage = 0
+        # A model that already looks things up (a continued build) goes straight to the final difficulty.
+        self.stage = len(self.tasks) - 1 if start_at_last else 0
         self.stage_steps = 0
         self.ema = 0.0
         self.rng = random.Random(seed)

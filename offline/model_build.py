@@ -56,6 +56,9 @@ class BuildConfig:
     eval_difficulties: tuple[tuple[int, int], ...] | None = None
     """(pairs, hops) to measure after training; None: the last stage reached, at 1/4, 1/2 and all of its hops"""
     eval_samples: int = 64
+    init_from: str | None = None
+    """a build of the same size to train on from its weights, at the curriculum's last stage (a longer build
+    in pieces: its lookup exists, so the stages that form it are skipped)"""
 
     @classmethod
     def for_size(cls, size: str, **overrides) -> BuildConfig:
@@ -106,6 +109,20 @@ def qwen3_config(size: str):
     )
 
 
+class BuildError(ValueError):
+    """A build that cannot start (one line for the command)."""
+
+
+def check_same_shape(found, wanted, folder: str) -> None:
+    """A continued build trains the weights of its own size: same layers, widths, positions and vocabulary."""
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "max_position_embeddings", "vocab_size")  # fmt: skip
+    differ = [f"{k} {getattr(found, k, None)} != {getattr(wanted, k)}" for k in keys
+              if getattr(found, k, None) != getattr(wanted, k)]  # fmt: skip
+    if differ:
+        raise BuildError(f"{folder} is not a build of this size: {', '.join(differ)}")
+
+
 def _lr_factor(cfg: BuildConfig, progress: float, step: int) -> float:
     if step < cfg.warmup:
         return (step + 1) / cfg.warmup
@@ -120,14 +137,18 @@ def train(cfg: BuildConfig, log=print):
     """Train a model by `cfg`; returns (model, summary dict)."""
     import torch
     from tqdm import tqdm
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.set_num_threads(cfg.threads)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(cfg.device)
-    model = Qwen3ForCausalLM(qwen3_config(cfg.size)).to(device)
+    if cfg.init_from:
+        check_same_shape(Qwen3Config.from_pretrained(cfg.init_from), qwen3_config(cfg.size), cfg.init_from)
+        model = Qwen3ForCausalLM.from_pretrained(cfg.init_from, dtype=torch.float32).to(device)
+    else:
+        model = Qwen3ForCausalLM(qwen3_config(cfg.size)).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -136,7 +157,7 @@ def train(cfg: BuildConfig, log=print):
         lr=cfg.lr,
         betas=(0.9, 0.98),
     )
-    cur = Curriculum(cfg.curriculum, cfg.seed)
+    cur = Curriculum(cfg.curriculum, cfg.seed, start_at_last=cfg.init_from is not None)
     amp_dtype = torch.bfloat16 if cfg.bf16 else None
     t0 = time.monotonic()
     stopped_by = "steps"
@@ -188,6 +209,18 @@ def train(cfg: BuildConfig, log=print):
     return model, summary
 
 
+def _parent(folder: str | None) -> dict:
+    """What a continued build started from: the parent build's record, without its own parents' detail."""
+    if not folder:
+        return {}
+    try:
+        parent = json.loads((Path(folder) / "build.json").read_text())
+    except (OSError, ValueError):
+        return {"init_from_build": None}
+    keep = ("command", "parameters", "steps_done", "train_seconds", "final_stage", "heldout", "init_from_build")
+    return {"init_from_build": {k: parent[k] for k in keep if k in parent}}
+
+
 def build(cfg: BuildConfig, out_dir: str | Path, command: list[str] | None = None, log=print) -> dict:
     """Train, evaluate on held-out tasks, and save everything to `out_dir`; returns build.json's content."""
     import torch
@@ -226,6 +259,7 @@ def build(cfg: BuildConfig, out_dir: str | Path, command: list[str] | None = Non
         "command": command,
         "config": asdict(cfg),
         **summary,
+        **_parent(cfg.init_from),
         "eval_seconds": round(time.monotonic() - t_eval, 1),
         "heldout": results,
         "torch_version": torch.__version__,

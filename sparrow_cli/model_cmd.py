@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,6 +38,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu or cuda (default cpu)")
     b.add_argument("--eval-samples", type=int, default=None, help="held-out prompts per difficulty after training")
+    b.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="train on from this build's weights (same size), at the curriculum's last stage: a longer build in pieces",
+    )
+    b.add_argument(
+        "--min-hops",
+        type=int,
+        default=None,
+        help="fewest hops of the last stage (default 1): with --init-from, more steps on the longest solutions",
+    )
+    b.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; lower to train on)")
+    b.add_argument(
+        "--fp32",
+        action="store_true",
+        help="train in float32, not bf16 autocast: on CPU the backward of 8K-token sequences runs about 5x faster",
+    )
     b.add_argument("--json", action="store_true", help="print build.json's content as JSON (progress goes to stderr)")
     b.set_defaults(handler=run)
 
@@ -87,15 +105,30 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from offline.model_build import BuildConfig, build, default_steps
+    from offline.model_build import BuildConfig, BuildError, build, default_steps
 
     steps = default_steps(args.size) if args.steps is None else args.steps
     if steps < 1:
         raise CliError(f"--steps must be >= 1, got {steps}")
     if args.minutes is not None and args.minutes <= 0:
         raise CliError(f"--minutes must be > 0, got {args.minutes}")
+    overrides = {}
+    if args.lr is not None:
+        if not 0 < args.lr < 1:
+            raise CliError(f"--lr must be in (0, 1), got {args.lr}")
+        overrides["lr"] = args.lr
+    if args.fp32:
+        overrides["bf16"] = False
+    if args.init_from is not None:
+        if not (Path(args.init_from) / "config.json").is_file():
+            raise CliError(f"--init-from {args.init_from}: no config.json there (give a folder `model build` wrote)")
+        overrides["init_from"] = args.init_from
     cfg = BuildConfig.for_size(args.size, seed=args.seed, steps=steps, minutes=args.minutes, threads=args.threads,
-                               device=args.device)  # fmt: skip
+                               device=args.device, **overrides)  # fmt: skip
+    if args.min_hops is not None:
+        if not 1 <= args.min_hops <= cfg.curriculum.final_hops:
+            raise CliError(f"--min-hops must be in [1, {cfg.curriculum.final_hops}], got {args.min_hops}")
+        cfg.curriculum = dataclasses.replace(cfg.curriculum, final_min_hops=args.min_hops)
     if args.eval_samples is not None:
         if args.eval_samples < 1:
             raise CliError(f"--eval-samples must be >= 1, got {args.eval_samples}")
@@ -103,7 +136,10 @@ def _build(args: argparse.Namespace) -> int:
     require_output_folder("--out", args.out)
     command = ["sparrow", *sys.argv[1:]] if sys.argv[1:2] == ["model"] else None
     log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-    info = build(cfg, Path(args.out), command=command, log=log)
+    try:
+        info = build(cfg, Path(args.out), command=command, log=log)
+    except BuildError as exc:
+        raise CliError(str(exc)) from None
     if args.json:
         from sparrow_cli.output import emit_json
 

@@ -78,3 +78,30 @@ def test_user_errors_are_one_line(tmp_path):
     assert proc.returncode == 2 and "hops" in proc.stderr
     proc = _sparrow("model", "build", "--size", "tiny", "--out", str(tmp_path), "--steps", "0")
     assert proc.returncode == 2 and "--steps" in proc.stderr
+
+
+def test_a_build_continues_from_its_own_weights_at_the_last_stage(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "more"
+    proc = _sparrow("model", "build", "--size", "tiny", "--out", str(out), "--steps", "3", "--eval-samples", "1",
+                    "--init-from", str(tiny_dir), "--min-hops", "12", "--lr", "1e-3", "--fp32")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads((out / "build.json").read_text())
+    assert info["config"]["init_from"] == str(tiny_dir) and info["config"]["bf16"] is False
+    assert info["final_stage"] == "p16-h12..16" and info["stages"] == []  # straight to the last stage, hops 12..16
+    assert info["init_from_build"]["steps_done"] == 20  # the record of what it started from
+    before, after = load_file(tiny_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys() and not all(before[k].equal(after[k]) for k in before)
+    # Trained on, not from scratch: the weights moved little.
+    moved = max(float((after[k] - before[k]).abs().max()) for k in before)
+    assert moved < 0.05, moved
+
+
+def test_a_continued_build_refuses_another_size_in_one_line(tmp_path):
+    proc = _sparrow("model", "build", "--size", "long", "--out", str(tmp_path / "x"), "--init-from",
+                    str(ROOT / "models" / "small"), "--steps", "1")  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    assert "not a build of this size: num_hidden_layers 4 != 8" in proc.stderr
+    proc = _sparrow("model", "build", "--size", "tiny", "--out", str(tmp_path / "y"), "--min-hops", "17")
+    assert proc.returncode == 2 and "--min-hops must be in [1, 16]" in proc.stderr
