@@ -331,6 +331,57 @@ torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   return out;
 }
 
+// One page against many query vectors (any cache dtype and head_dim): the page's keys are transposed once, so
+// each query's 16 logits and weights are loops over the page's 16 tokens, and its values a loop over head_dim,
+// each of which the compiler vectorizes. Query j reads the page's first upto[j] tokens (none when <= 0). The
+// queries of a verify or a GQA group share each page, which pays for the transpose; for a small head_dim the
+// per-token path spends its time in one short dot product after another.
+template <typename T>
+void page_update_many(const float* const* qvs, const int64_t* upto, int64_t count, const T* kb, const T* vb,
+                      int64_t valid, int64_t d, float scale, float* m, float* l, float* acc, float* kt) {
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t t = 0; t < kPage; ++t) kt[i * kPage + t] = t < valid ? static_cast<float>(kb[t * d + i]) : 0.f;
+  }
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t lim = std::min(upto[j], valid);
+    if (lim <= 0) continue;
+    const float* qv = qvs[j];
+    float logits[kPage] = {};
+    for (int64_t i = 0; i < d; ++i) {
+      const float qi = qv[i];
+      const float* row = kt + i * kPage;
+#pragma omp simd
+      for (int64_t t = 0; t < kPage; ++t) logits[t] += qi * row[t];
+    }
+    float page_max = kNegInf;
+    for (int64_t t = 0; t < kPage; ++t) {
+      logits[t] = t < lim ? logits[t] * scale : kNegInf;
+      page_max = std::max(page_max, logits[t]);
+    }
+    const float new_m = std::max(m[j], page_max);
+    float w[kPage];
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < kPage; ++t) {
+      w[t] = t < lim ? exp_nonpositive(logits[t] - new_m) : 0.f;
+      sum += w[t];
+    }
+    const float correction = exp_nonpositive(m[j] - new_m);
+    l[j] = l[j] * correction + sum;
+    m[j] = new_m;
+    float* a = acc + j * d;
+#pragma omp simd
+    for (int64_t x = 0; x < d; ++x) a[x] *= correction;
+    for (int64_t t = 0; t < lim; ++t) {
+      const float wt = w[t];
+      const T* vt = vb + t * d;
+#pragma omp simd
+      for (int64_t x = 0; x < d; ++x) a[x] += wt * static_cast<float>(vt[x]);
+    }
+  }
+}
+
 template <typename T>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int64_t* starts, int64_t rows,
@@ -344,6 +395,9 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   float* op = out.data_ptr<float>();
   const PageUpdate fast = fast_page_update<T>(d);
   const float sc = static_cast<float>(scale);
+  // Every query vector of a (row, KV head) against each page at once, unless the AVX-512 per-token path
+  // serves a lone query (a GQA group of one decoding a single token) as well.
+  const bool many = !(fast && g == 1);
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / heads, h = item % heads;
@@ -352,6 +406,12 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
       const int64_t first = len - q_len;  // position of the row's first query token
       const int64_t nq = q_len * g;
       std::vector<float> acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
+      std::vector<const float*> qvs(nq);
+      std::vector<int64_t> upto(nq);
+      std::vector<float> kt(many ? kPage * d : 0);
+      for (int64_t i = 0; i < q_len; ++i) {
+        for (int64_t gi = 0; gi < g; ++gi) qvs[i * g + gi] = qp + ((s0 + i) * hq + h * g + gi) * d;
+      }
       auto page_ptr = [&](const T* base, int64_t p) {
         const int64_t blk = bt[r * bt_stride + (p * kPage) / bs];
         return base + ((blk * heads + h) * bs + (p * kPage) % bs) * d;
@@ -366,6 +426,14 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
         const T* kb = page_ptr(kp, p);
         const T* vb = page_ptr(vp, p);
         // The page stays in L1 while every query token of the row reads it, each up to its own position.
+        if (many) {
+          for (int64_t i = 0; i < q_len; ++i) {
+            for (int64_t gi = 0; gi < g; ++gi) upto[i * g + gi] = first + i - p * kPage + 1;
+          }
+          page_update_many(qvs.data(), upto.data(), nq, kb, vb, valid, d, sc, m.data(), l.data(), acc.data(),
+                           kt.data());
+          continue;
+        }
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t upto = std::min<int64_t>(valid, first + i - p * kPage + 1);
           if (upto <= 0) continue;

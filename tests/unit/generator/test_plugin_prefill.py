@@ -5,13 +5,15 @@ output is plain causal attention over its own tokens (needs vLLM's import only, 
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from services.generator.plugin.sparse_impl import IN_PLACE_QUERY_TOKENS, SparrowAttentionImpl
+from services.generator.plugin.sparse_impl import IN_PLACE_MIN_KV_WIDTH, IN_PLACE_QUERY_TOKENS, SparrowAttentionImpl
 
 
-def test_a_mixed_step_is_causal_attention_row_by_row():
-    heads, kv_heads, d, bs = 4, 2, 16, 16
+@pytest.mark.parametrize("kv_heads,d", [(2, 16), (4, 64)])  # narrow keys: copy + SDPA; wide: in place
+def test_a_mixed_step_is_causal_attention_row_by_row(kv_heads, d):
+    heads, bs = 2 * kv_heads, 16
     seq_lens = [300, 123, 500]
     q_lens = [1, 7, IN_PLACE_QUERY_TOKENS + 16]  # decode, verify, prefill chunk
     gen = torch.Generator().manual_seed(0)
@@ -27,6 +29,7 @@ def test_a_mixed_step_is_causal_attention_row_by_row():
         num_actual_tokens=tokens,
     )  # fmt: skip
     impl = SparrowAttentionImpl(heads, d, 1 / math.sqrt(d), kv_heads, None, None, "auto")
+    assert impl.verify_in_place == (kv_heads * d >= IN_PLACE_MIN_KV_WIDTH)
     layer = SimpleNamespace(layer_name="model.layers.3.self_attn.attn")
     output = torch.zeros(tokens, heads * d)
     impl.forward(layer, query, None, None, kv_cache, metadata, output)
