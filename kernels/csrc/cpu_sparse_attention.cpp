@@ -395,9 +395,6 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
   float* op = out.data_ptr<float>();
   const PageUpdate fast = fast_page_update<T>(d);
   const float sc = static_cast<float>(scale);
-  // Every query vector of a (row, KV head) against each page at once, unless the AVX-512 per-token path
-  // serves a lone query (a GQA group of one decoding a single token) as well.
-  const bool many = !(fast && g == 1);
   at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / heads, h = item % heads;
@@ -405,6 +402,9 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
       if (q_len <= 0) continue;
       const int64_t first = len - q_len;  // position of the row's first query token
       const int64_t nq = q_len * g;
+      // Every query vector of the (row, KV head) against each page at once, unless it has a single one that
+      // the AVX-512 per-token path serves.
+      const bool many = !fast || nq > 1;
       std::vector<float> acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
       std::vector<const float*> qvs(nq);
       std::vector<int64_t> upto(nq);
@@ -434,19 +434,10 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
                            kt.data());
           continue;
         }
-        for (int64_t i = 0; i < q_len; ++i) {
-          const int64_t upto = std::min<int64_t>(valid, first + i - p * kPage + 1);
-          if (upto <= 0) continue;
-          for (int64_t gi = 0; gi < g; ++gi) {
-            const float* qv = qp + ((s0 + i) * hq + h * g + gi) * d;
-            const int64_t j = i * g + gi;
-            if (fast) {
-              fast(qv, reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb), upto, sc, m[j], l[j],
-                   acc.data() + j * d);
-            } else {
-              page_update(qv, kb, vb, upto, sc, d, m[j], l[j], acc.data() + j * d);
-            }
-          }
+        const int64_t upto_one = std::min<int64_t>(valid, first - p * kPage + 1);  // the one query: q_len 1, g 1
+        if (upto_one > 0) {
+          fast(qvs[0], reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb), upto_one, sc, m[0], l[0],
+               acc.data());
         }
       }
       for (int64_t i = 0; i < q_len; ++i) {
