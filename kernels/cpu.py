@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .inputs import check_decode_inputs, check_selection_inputs, group_mean_query
+from .inputs import check_decode_inputs, check_prefill_inputs, check_selection_inputs, group_mean_query
 from .layout import check_centroids, check_paged_cache
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,6 @@ def paged_prefill_attention_cpu(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Same contract as `paged_prefill_attention_ref`, computed by the CPU extension (no gradients)."""
-    from .prefill import check_prefill_inputs
-
     check_paged_cache(k_cache, v_cache, block_table, seq_lens)
     check_prefill_inputs(q, k_cache, seq_lens, query_start_loc)
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else scale

@@ -130,3 +130,17 @@ def check_decode_inputs(
         raise ValueError(
             f"page_indices must be [rows={q.shape[0]}, kv_heads={k_cache.shape[1]}, n], got {tuple(page_indices.shape)}"
         )
+
+
+def check_prefill_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> None:
+    """Raise ValueError unless q, the rows' query spans and their lengths fit together and the cache."""
+    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[1]:
+        raise ValueError(f"q must be [tokens, q_heads, head_dim] matching the cache, got {tuple(q.shape)}")
+    rows = seq_lens.shape[0]
+    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != rows + 1:
+        raise ValueError(f"query_start_loc must be [rows + 1] = [{rows + 1}], got {tuple(query_start_loc.shape)}")
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if rows and (bool((q_lens < 0).any()) or bool((q_lens > seq_lens).any()) or int(query_start_loc[-1]) > q.shape[0]):
+        raise ValueError("each row's query tokens must be a span of q no longer than the row (seq_lens)")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .backend import resolve_backend
+from .inputs import check_prefill_inputs
 from .layout import check_paged_cache
 
 
@@ -47,20 +48,6 @@ def paged_prefill_attention_ref(
         )
         out[s:e] = o[0].transpose(0, 1).to(q.dtype)
     return out
-
-
-def check_prefill_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
-) -> None:
-    """Raise ValueError unless q, the rows' query spans and their lengths fit together and the cache."""
-    if q.dim() != 3 or q.shape[2] != k_cache.shape[3] or q.shape[1] % k_cache.shape[1]:
-        raise ValueError(f"q must be [tokens, q_heads, head_dim] matching the cache, got {tuple(q.shape)}")
-    rows = seq_lens.shape[0]
-    if query_start_loc.dim() != 1 or query_start_loc.shape[0] != rows + 1:
-        raise ValueError(f"query_start_loc must be [rows + 1] = [{rows + 1}], got {tuple(query_start_loc.shape)}")
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    if rows and (bool((q_lens < 0).any()) or bool((q_lens > seq_lens).any()) or int(query_start_loc[-1]) > q.shape[0]):
-        raise ValueError("each row's query tokens must be a span of q no longer than the row (seq_lens)")
 
 
 def paged_prefill_attention(
