@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import AttentionImpl, AttentionType
 
-from kernels import PAGE_SIZE, new_centroids, paged_prefill_attention, paged_prefill_attention_ref, update_centroids
+from kernels import PAGE_SIZE, new_centroids, paged_prefill_attention, update_centroids
 from services.generator.plugin.scheduled_decode import ScheduledDecode, layer_index_of, refuse_unsupported
 from services.generator.plugin.self_draft import DRAFTING, SELF_DRAFT
 
@@ -153,23 +153,20 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         return output
 
     def _prefill_rows(self, q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, rows) -> None:
-        # Short rows (a verify's k + 1 tokens) of wide keys attend in place in one call, each page read once for
-        # all of a row's tokens; the others copy their prefix out for SDPA (see IN_PLACE_MIN_KV_WIDTH).
-        short = rows[q_lens[rows] <= IN_PLACE_QUERY_TOKENS] if self.verify_in_place else rows[:0]
-        if short.numel():
-            spans = [torch.arange(int(starts[r]), int(starts[r + 1])) for r in short.tolist()]
-            at = torch.cat(spans).to(q.device)
-            sub_starts = torch.zeros(short.numel() + 1, dtype=torch.int64)
-            sub_starts[1:] = q_lens[short].cpu().cumsum(0)
+        # Short rows (a verify's k + 1 tokens) of wide keys attend in place, each page read once for all of a
+        # row's tokens; the others copy their prefix out for SDPA (see IN_PLACE_MIN_KV_WIDTH). One call each.
+        in_place = (
+            q_lens[rows] <= IN_PLACE_QUERY_TOKENS if self.verify_in_place else torch.zeros_like(rows, dtype=torch.bool)
+        )
+        for chosen, backend in ((rows[in_place], self.backend), (rows[~in_place], "torch")):
+            if not chosen.numel():
+                continue
+            at = torch.cat([torch.arange(int(starts[r]), int(starts[r + 1])) for r in chosen.tolist()]).to(q.device)
+            sub_starts = torch.zeros(chosen.numel() + 1, dtype=torch.int64)
+            sub_starts[1:] = q_lens[chosen].cpu().cumsum(0)
             out[at] = paged_prefill_attention(
-                q[at], k_cache, v_cache, block_table[short], seq_lens[short], sub_starts.to(q.device), self.scale,
-                backend=self.backend,
-            )  # fmt: skip
-        for r in sorted(set(rows.tolist()) - set(short.tolist())):
-            s, e = int(starts[r]), int(starts[r + 1])
-            out[s:e] = paged_prefill_attention_ref(
-                q[s:e], k_cache, v_cache, block_table[r : r + 1], seq_lens[r : r + 1],
-                torch.tensor([0, e - s], device=q.device), self.scale,
+                q[at], k_cache, v_cache, block_table[chosen], seq_lens[chosen], sub_starts.to(q.device), self.scale,
+                backend=backend,
             )  # fmt: skip
 
     def _refresh_last_pages(self, k_cache, block_table, seq_lens) -> None:
