@@ -97,11 +97,3 @@ def test_a_build_continues_from_its_own_weights_at_the_last_stage(tiny_dir, tmp_
     moved = max(float((after[k] - before[k]).abs().max()) for k in before)
     assert moved < 0.05, moved
 
-
-def test_a_continued_build_refuses_another_size_in_one_line(tmp_path):
-    proc = _sparrow("model", "build", "--size", "long", "--out", str(tmp_path / "x"), "--init-from",
-                    str(ROOT / "models" / "small"), "--steps", "1")  # fmt: skip
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
-    assert "not a build of this size: num_hidden_layers 4 != 8" in proc.stderr
-    proc = _sparrow("model", "build", "--size", "tiny", "--out", str(tmp_path / "y"), "--min-hops", "17")
-    assert proc.returncode == 2 and "--min-hops must be in [1, 16]" in proc.stderr

@@ -1,6 +1,7 @@
 """`sparrow model build|eval`: input checked before any training starts."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -28,3 +29,14 @@ def test_build_json_prints_the_build_record_and_logs_progress_to_stderr(tmp_path
     assert data["model"] == str(out) and data["steps_done"] == 2 and data["config"]["size"] == "tiny"
     assert data == {"model": str(out), **json.loads((out / "build.json").read_text())}
     assert "greedy" in r.stderr  # the held-out evaluation's progress lines
+
+
+def test_a_continued_build_refuses_another_size_or_hops_out_of_range_in_one_line(tmp_path):
+    small = Path(__file__).resolve().parents[3] / "models" / "small"
+    r = sparrow("model", "build", "--size", "long", "--out", tmp_path / "x", "--init-from", small, "--steps", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "not a build of this size: num_hidden_layers 4 != 8" in r.stderr
+    r = sparrow("model", "build", "--size", "tiny", "--out", tmp_path / "y", "--min-hops", "17")
+    assert r.returncode == 2 and "--min-hops must be in [1, 16]" in r.stderr
+    r = sparrow("model", "build", "--size", "tiny", "--out", tmp_path / "z", "--init-from", tmp_path)
+    assert r.returncode == 2 and "no config.json there" in r.stderr
