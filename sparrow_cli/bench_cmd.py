@@ -31,6 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--backend", choices=("auto", "torch", "cpu", "triton"), default="auto", help="sparse kernels to run (auto)"
     )
+    a.add_argument(
+        "--verify-tokens",
+        type=int,
+        default=0,
+        help="instead: a speculative verify of this many query tokens a row (k + 1), copy + SDPA vs in place",
+    )
     a.add_argument("--json", action="store_true", help="print JSON")
     r = sub.add_parser("rollout", help="the generator's vLLM engine: dense then sparse rollouts of the same batch")
     r.add_argument("--model", default="models/long", help="HF model folder (default models/long)")
@@ -353,9 +359,41 @@ def _heldout_data(args: argparse.Namespace, say) -> dict:
     return out
 
 
+def _verify(args: argparse.Namespace) -> int:
+    import torch
+
+    from bench.verify_attention import run_verify_bench
+    from kernels.cpu import cpu_extension
+
+    if cpu_extension() is None:
+        raise CliError("--verify-tokens measures the CPU extension, which could not be built here")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        r = run_verify_bench(args.context, args.batch, args.verify_tokens, args.kv_heads, args.q_heads, args.head_dim,
+                             args.iters)  # fmt: skip
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if args.json:
+        from sparrow_cli.output import emit_json
+
+        emit_json(r.to_dict())
+        return 0
+    print(
+        f"verify attention, {r.batch} rows x {r.query_tokens} query tokens over {r.context} cached tokens, "
+        f"{r.kv_heads} KV / {r.q_heads} query heads, head dim {r.head_dim}, {r.threads} threads"
+    )
+    print(f"  copy + SDPA {r.copy_sdpa_ms:9.2f} ms")
+    print(f"  in place    {r.in_place_ms:9.2f} ms   {r.speedup:.2f}x   (max abs diff {r.max_abs_diff:.1e})")
+    return 0
+
+
 def _attention(args: argparse.Namespace) -> int:
     require_positive(args, "context", "budget", "batch", "kv_heads", "q_heads", "head_dim", "block_size", "iters")
     import torch
+
+    if args.verify_tokens:
+        return _verify(args)
 
     from bench.attention import run_attention_bench
 

@@ -25,6 +25,17 @@ def test_bench_attention_json(backend):
     assert out["max_abs_diff_full_budget"] < 1e-5
 
 
+def test_bench_attention_verify_json_and_a_verify_longer_than_the_context_is_one_line():
+    r = sparrow("bench", "attention", *SMALL, "--head-dim", "32", "--iters", "1", "--verify-tokens", "7", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["batch"], out["query_tokens"], out["context"], out["kv_heads"]) == (2, 7, 1024, 2)
+    assert out["speedup"] == pytest.approx(out["copy_sdpa_ms"] / out["in_place_ms"], rel=1e-6)
+    assert out["max_abs_diff"] < 1e-5  # the two ways compute the same attention
+    r = sparrow("bench", "attention", "--context", "4", "--verify-tokens", "7")
+    assert r.returncode == 2 and "query tokens must be in [1, context = 4], got 7" in r.stderr
+
+
 def test_bench_attention_text():
     r = sparrow("bench", "attention", *SMALL, "--iters", "1")
     assert r.returncode == 0, r.stderr
