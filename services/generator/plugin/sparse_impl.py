@@ -31,10 +31,6 @@ __all__ = ["SparrowAttentionImpl", "layer_index_of", "split_kv_cache"]
 IN_PLACE_QUERY_TOKENS = 64
 """rows with at most this many query tokens (a speculative verify has k + 1 <= 17) attend through the paged
 prefill kernel in place; longer prefill chunks copy their prefix out for SDPA"""
-IN_PLACE_MIN_KV_WIDTH = 256
-"""... when a token's keys are at least this wide (KV heads x head_dim): measured on CPU (one thread, 8 rows of
-7 query tokens at 8K), in place ran 2.5-3.9x faster than copy + SDPA at 8 KV heads of 128 (Qwen3's), 1.5x at 256
-wide, but 0.7x at 32-128 wide, where the copy is cheap and SDPA's matrix products win"""
 
 
 def split_kv_cache(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +83,6 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         self.num_kv_heads = num_kv_heads
         self.kv_sharing_target_layer_name = None
         self.speculative = _self_drafting_engine()
-        self.verify_in_place = num_kv_heads * head_size >= IN_PLACE_MIN_KV_WIDTH
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         k_cache, v_cache = split_kv_cache(kv_cache)
@@ -153,11 +148,10 @@ class SparrowAttentionImpl(ScheduledDecode, AttentionImpl):
         return output
 
     def _prefill_rows(self, q, out, k_cache, v_cache, block_table, seq_lens, starts, q_lens, rows) -> None:
-        # Short rows (a verify's k + 1 tokens) of wide keys attend in place, each page read once for all of a
-        # row's tokens; the others copy their prefix out for SDPA (see IN_PLACE_MIN_KV_WIDTH). One call each.
-        in_place = (
-            q_lens[rows] <= IN_PLACE_QUERY_TOKENS if self.verify_in_place else torch.zeros_like(rows, dtype=torch.bool)
-        )
+        # Short rows (a verify's k + 1 tokens) attend in place, each page read once for all of a row's tokens
+        # (`sparrow bench attention --verify-tokens 7`, cold caches as in an engine: 1.0x the copy at 2 KV heads
+        # of 16, 2.7x at Qwen3's 8 of 128); long prefill chunks copy their prefix out for SDPA's matrix products.
+        in_place = q_lens[rows] <= IN_PLACE_QUERY_TOKENS
         for chosen, backend in ((rows[in_place], self.backend), (rows[~in_place], "torch")):
             if not chosen.numel():
                 continue
