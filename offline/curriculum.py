@@ -44,6 +44,11 @@ class CurriculumConfig:
     """short contexts: more, smaller steps (lookup forms after enough updates, not enough tokens)"""
     filler: int = 0
     """the long task's countdown per hop (sparrow.tasks.chain), the same at every stage"""
+    head_share: float = 0.0
+    """share of the last stage's batches made of solution heads: examples cut to their first `head_tokens`
+    tokens. A solution copies the query's hop count once, so full-length batches of the long task show that
+    decision about once a step; heads show it `batch_tokens // head_tokens` times, at every hop count"""
+    head_tokens: int = 384
 
 
 def stage_tasks(cfg: CurriculumConfig) -> list[ChainTask]:
@@ -69,6 +74,8 @@ class Batch:
     loss_mask: torch.Tensor
     lookup_mask: torch.Tensor
     stage: int
+    head: bool = False
+    """rows cut to the curriculum's head_tokens (not counted in the stage's lookup accuracy)"""
 
 
 class Curriculum:
@@ -91,12 +98,15 @@ class Curriculum:
         if stage > 0 and self.rng.random() < self.cfg.replay:
             stage = self.rng.randrange(1, stage + 1) if stage > 1 else 0
         task = self.tasks[stage]
+        if stage == len(self.tasks) - 1 and self.cfg.head_share and self.rng.random() < self.cfg.head_share:
+            size = min(self.cfg.max_batch, max(1, self.cfg.batch_tokens // self.cfg.head_tokens))
+            return collate([self.stream.next(task) for _ in range(size)], stage, task, cut=self.cfg.head_tokens)
         size = min(self.cfg.max_batch, max(1, self.cfg.batch_tokens // task.sequence_tokens()))
         return collate([self.stream.next(task) for _ in range(size)], stage, task)
 
     def update(self, step: int, batch: Batch, lookup_accuracy: float) -> bool:
         """Record a training step's lookup accuracy; returns True when the curriculum advanced."""
-        if batch.stage != self.stage:
+        if batch.stage != self.stage or batch.head:
             return False
         self.stage_steps += 1
         self.ema = lookup_accuracy if self.stage_steps == 1 else 0.9 * self.ema + 0.1 * lookup_accuracy
@@ -112,13 +122,16 @@ class Curriculum:
         return False
 
 
-def collate(examples: list, stage: int, task: ChainTask | None = None) -> Batch:
-    """Right-pad token ids; mark solution tokens for the loss and looked-up names for the accuracy."""
+def collate(examples: list, stage: int, task: ChainTask | None = None, cut: int | None = None) -> Batch:
+    """Right-pad token ids; mark solution tokens for the loss and looked-up names for the accuracy.
+    `cut`: keep only each example's first `cut` tokens (a head; a causal model's targets there are the same)."""
     pad = TOKEN_TO_ID[PAD]
     rows, solution_starts, hops = [], [], []
     for ex in examples:
         prompt = [TOKEN_TO_ID[BOS]] + encode_words(ex.prompt)
-        rows.append(prompt + encode_words(ex.solution) + [TOKEN_TO_ID[EOS]])
+        if cut is not None and cut <= len(prompt):
+            raise ValueError(f"a head of {cut} tokens holds no solution token (the prompt has {len(prompt)})")
+        rows.append((prompt + encode_words(ex.solution) + [TOKEN_TO_ID[EOS]])[:cut])
         solution_starts.append(len(prompt))
         hops.append(ex.hops)
     width = max(len(r) for r in rows)
@@ -130,5 +143,6 @@ def collate(examples: list, stage: int, task: ChainTask | None = None) -> Batch:
         loss_mask[i, solution_starts[i] : len(row)] = True
         # hop j starts at solution offset hop_tokens * j; its B (offset 2) is the looked-up name
         for off in (task or ChainTask(2, 1)).lookup_offsets(hops[i]):
-            lookup_mask[i, solution_starts[i] + off] = True
-    return Batch(ids, loss_mask, lookup_mask, stage)
+            if solution_starts[i] + off < len(row):
+                lookup_mask[i, solution_starts[i] + off] = True
+    return Batch(ids, loss_mask, lookup_mask, stage, head=cut is not None)

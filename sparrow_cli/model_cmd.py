@@ -51,6 +51,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-3; lower to train on)")
     b.add_argument(
+        "--head-share",
+        type=float,
+        default=None,
+        help="share of the last stage's batches cut to solution heads of 384 tokens (default 0): the copy of the "
+        "query's hop count, once per solution, is then trained many times a step",
+    )
+    b.add_argument(
         "--fp32",
         action="store_true",
         help="train in float32, not bf16 autocast: on CPU the backward of 8K-token sequences runs about 5x faster",
@@ -129,6 +136,10 @@ def _build(args: argparse.Namespace) -> int:
         if not 1 <= args.min_hops <= cfg.curriculum.final_hops:
             raise CliError(f"--min-hops must be in [1, {cfg.curriculum.final_hops}], got {args.min_hops}")
         cfg.curriculum = dataclasses.replace(cfg.curriculum, final_min_hops=args.min_hops)
+    if args.head_share is not None:
+        if not 0 <= args.head_share < 1:
+            raise CliError(f"--head-share must be in [0, 1), got {args.head_share}")
+        cfg.curriculum = dataclasses.replace(cfg.curriculum, head_share=args.head_share)
     if args.eval_samples is not None:
         if args.eval_samples < 1:
             raise CliError(f"--eval-samples must be >= 1, got {args.eval_samples}")
