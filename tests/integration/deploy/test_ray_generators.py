@@ -45,6 +45,9 @@ def local_ray():
         log_to_driver=False,
     )
     try:
+        # The replicas are reached through handles (route_prefix=None), so no HTTP proxy: on a loaded
+        # machine Serve killed a proxy actor that was slow to become ready, and serve.run failed with it.
+        serve.start(proxy_location="Disabled")
         yield serve
     finally:
         serve.shutdown()
