@@ -300,17 +300,23 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   });
 }
 
-// out[r, hq] = softmax attention of q[r, hq] over the selected pages of its KV head (all pages
-// when page_indices is empty), tokens past seq_lens[r] excluded. Returns float32.
-torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens,
-                            c10::optional<torch::Tensor> page_indices, double scale) {
+// The caches of one layer and queries against them; `q_rows` names q's first dimension in the message.
+void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const char* q_rows) {
   check_cache(k_cache, "k_cache");
   check_cache(v_cache, "v_cache");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
               "k_cache and v_cache must match");
   TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
-              "q must be [rows, q_heads, head_dim] matching the cache");
+              "q must be [", q_rows, ", q_heads, head_dim] matching the cache");
+}
+
+// out[r, hq] = softmax attention of q[r, hq] over the selected pages of its KV head (all pages
+// when page_indices is empty), tokens past seq_lens[r] excluded. Returns float32.
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens,
+                            c10::optional<torch::Tensor> page_indices, double scale) {
+  check_attention(q, k_cache, v_cache, "rows");
   auto qf = q.to(torch::kFloat).contiguous();
   auto bt = block_table.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
@@ -458,12 +464,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
 // the row's query tokens (a verify of k drafts reads the prefix once, not k + 1 times). Returns float32.
 torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                             torch::Tensor seq_lens, torch::Tensor query_start_loc, double scale) {
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must match");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
-              "q must be [tokens, q_heads, head_dim] matching the cache");
+  check_attention(q, k_cache, v_cache, "tokens");
   auto qf = q.to(torch::kFloat).contiguous();
   auto bt = block_table.to(torch::kLong).contiguous();
   auto lens = seq_lens.to(torch::kLong).contiguous();
