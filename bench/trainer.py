@@ -8,7 +8,8 @@ it runs on this machine) scores and trains on one sequence of 2K, 8K and 16K tok
 - `none`: the decoder alone (hidden states, and for the update a loss on them), the baseline that
   the head's extra memory is measured against.
 Each case runs in a fresh process (peak RSS is a process's high-water mark on CPU;
-torch.cuda.max_memory_allocated on CUDA) after a warm-up on a short sequence, so the optimizer's
+torch.cuda.max_memory_allocated on CUDA), forked from a server that has imported torch and the trainer
+once (no interpreter start-up per case), after a warm-up on a short sequence, so the optimizer's
 state exists before the measured run. The full head is skipped where its own estimate (three
 [seq, vocab] float32 tensors) exceeds `full_limit_gib`: the memory wall it is measured for.
 """
@@ -24,6 +25,8 @@ from bench import rss
 VOCAB = 151_936
 PROMPT = 128  # prompt tokens of every measured sequence; the rest is the response
 WARMUP_TOKENS = 256
+# What every case imports, once, in the fork server its processes are forked from (nothing else runs there).
+PRELOAD = ["torch", "transformers.models.qwen3.modeling_qwen3", "trainer.rl_update", "trainer.scoring", "bench.trainer"]
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,8 @@ def _child(case: Case, out) -> None:
 
 
 def _measure(case: Case) -> dict:
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     recv, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child, args=(case, send))
     proc.start()
