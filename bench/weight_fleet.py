@@ -8,6 +8,7 @@ one in a process of its own and prints one JSON line per version it serves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import threading
@@ -104,22 +105,31 @@ class StandinGenerator:
 
 
 def run_process(
-    trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool = False
+    trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool = False, conn=None
 ) -> None:
-    """A stand-in generator process: one JSON line per served version on stdout, until stdin closes."""
+    """A stand-in generator process: one JSON line per served version on stdout, until stdin closes.
+
+    With `conn` (a multiprocessing connection) the lines go to it as dicts instead, until it sends None or closes."""
     rss.reset_peak()  # this generator's own peak, not its parent's
     import torch
 
     torch.set_num_threads(1)
 
+    def emit(line: dict) -> None:
+        conn.send(line) if conn is not None else print(json.dumps(line), flush=True)
+
     def report(version: int, digest: str) -> None:
         line = {"generator": generator_id, "version": version, "digest": digest, "t": time.time()}
-        print(json.dumps({**line, "peak_rss_bytes": rss.peak_bytes()}), flush=True)
+        emit({**line, "peak_rss_bytes": rss.peak_bytes()})
 
     gen = StandinGenerator(trainer, Path(root), generator_id, relay, digest_checked, on_loaded=report, stream=stream)
     gen.start()
-    print(json.dumps({"generator": generator_id, "ready": True, "relay": gen.relay_address}), flush=True)
-    sys.stdin.read()  # the bench closes stdin to stop us
+    emit({"generator": generator_id, "ready": True, "relay": gen.relay_address})
+    if conn is None:
+        sys.stdin.read()  # the bench closes stdin to stop us
+    else:
+        with contextlib.suppress(EOFError):
+            conn.recv()
     gen.close()
 
 

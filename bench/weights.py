@@ -19,9 +19,10 @@ all with the trainer's digest; the peak resident memory of a generator process.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +43,8 @@ MODES = {
     "bf16-relay": ("bfloat16", True, False, False),
     "bf16-relay-delta": ("bfloat16", True, True, False),
 }
+# What the generator processes import once, in the fork server they are forked from (not gRPC: it is not fork-safe).
+PRELOAD = ["torch", "safetensors.torch"]
 
 
 @dataclass(frozen=True)
@@ -115,43 +118,56 @@ class _Master:
 
 
 class _Fleet:
-    """`n` stand-in generator processes; collects their JSON lines."""
+    """`n` stand-in generator processes, forked from a server that imported torch once; collects their lines."""
 
     def __init__(self, trainer: str, root: Path, n: int, relay: bool, stream: bool = False) -> None:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.procs, self.lines, self._lock = [], [], threading.Lock()
+        ctx = multiprocessing.get_context("forkserver")  # not fork: this process holds gRPC threads
+        ctx.set_forkserver_preload(PRELOAD)
+        self.procs, self.conns, self.lines, self._lock = [], [], [], threading.Lock()
         self.ready = threading.Semaphore(0)
         for i in range(n):
-            argv = [sys.executable, "-m", "bench.weight_fleet", trainer, str(root / f"g{i}"), f"g{i}"]
-            argv += ["1" if relay else "0", "1" if relay else "0", "1" if stream else "0"]
-            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+            conn, child = ctx.Pipe()
+            args = (trainer, str(root / f"g{i}"), f"g{i}", relay, relay, stream, child)
+            p = ctx.Process(target=_generator, args=args, daemon=True)
+            p.start()
+            child.close()
             self.procs.append(p)
-            threading.Thread(target=self._read, args=(p,), daemon=True).start()
+            self.conns.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
         for _ in range(n):
             if not self.ready.acquire(timeout=120):
                 raise RuntimeError("a generator process did not start")
 
-    def _read(self, p: subprocess.Popen) -> None:
-        for line in p.stdout:
-            d = json.loads(line)
-            if d.get("ready"):
-                self.ready.release()
-                continue
-            with self._lock:
-                self.lines.append(d)
+    def _read(self, conn) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                d = conn.recv()
+                if d.get("ready"):
+                    self.ready.release()
+                    continue
+                with self._lock:
+                    self.lines.append(d)
 
     def served(self, version: int) -> list[dict]:
         with self._lock:
             return [d for d in self.lines if d["version"] == version]
 
     def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(None)
         for p in self.procs:
-            p.stdin.close()
-        for p in self.procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
+            p.join(30)
+            if p.is_alive():
                 p.kill()
+                p.join()
+
+
+def _generator(*args) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"  # before the first parallel region starts OpenMP's threads
+    from bench.weight_fleet import run_process
+
+    run_process(*args)
 
 
 def _run_mode(mode: str, shape: Shape, generators: int, versions: int, lr: float, timeout_s: float) -> dict:
