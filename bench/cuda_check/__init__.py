@@ -50,7 +50,7 @@ tolerance), "error", "timeout" or "skipped" (with the reason).
   throughput  (vLLM) engine decode tokens/s, dense vs sparse, batch 8 at 32K, a random
               Qwen3-1.7B-shaped model in bf16, piecewise CUDA graphs
 
-`--dry-run` rehearses the phases' code on a CPU (Triton interpreted, float32, tiny shapes; the
+`--dry-run` rehearses the phases' code on a CPU (Triton interpreted, float32, tiny shapes, one thread; the
 engine phases skip; the decode phase runs the first test of each of its files, which the suite runs
 in full anyway): it proves the script runs, not the figures. The test suite runs the dry run
 (`tests/unit/bench/test_cuda_check.py`), so the check cannot rot between the sessions lent a GPU.

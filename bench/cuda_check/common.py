@@ -140,6 +140,7 @@ def run_child(args: list[str], result: str, limit: float, log=None, new_session:
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     if os.environ.get("CUDA_CHECK_DRY") == "1":  # the runner's --dry-run, read when the child starts
         env["TRITON_INTERPRET"] = "1"
+        env["OMP_NUM_THREADS"] = "1"  # tiny shapes: a second CPU thread only spins (and waits on a loaded machine)
     env["CUDA_CHECK_DEADLINE"] = str(time.time() + limit)
     cmd = [sys.executable, "-m", "bench.cuda_check", *args, "--result", result]
     with tempfile.TemporaryFile("w+") as out:
