@@ -265,13 +265,14 @@ class ImplDriver:
 
 
 @pytest.fixture
-def stock(monkeypatch):
+def stock(monkeypatch, request):
     """Calls of the stock Triton kernel as (rows, tokens); on CPU it is a float64 stand-in, else None.
 
-    None also where vLLM is not installed: only the "impl" driver calls the stock kernel, and it
-    skips without vLLM (`bench/cuda_check --dry-run` runs the "core" tests so, as on a GPU
-    machine without vLLM)."""
-    if DEVICE == "cuda" or importlib.util.find_spec("vllm") is None:
+    None also for the "core" driver and where vLLM is not installed: only the "impl" driver calls the
+    stock kernel, and it skips without vLLM (`bench/cuda_check --dry-run` runs the "core" tests so, as
+    on a GPU machine without vLLM, and without paying vLLM's import)."""
+    kind = getattr(request.node, "callspec", None) and request.node.callspec.params.get("kind")
+    if DEVICE == "cuda" or kind == "core" or importlib.util.find_spec("vllm") is None:
         yield None
         return
     from vllm.v1.attention.backends import triton_attn
