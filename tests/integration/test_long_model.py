@@ -38,3 +38,21 @@ def test_models_long_solves_a_4k_instance_greedily():
     assert len(prompt) + len(out) >= 4096
     assert text == example.solution  # every hop, every countdown, the boxed answer
     assert chain_reward(text, example.answer) == 1.0
+
+
+def test_models_long_would_write_a_256_hop_solution_greedily_token_for_token():
+    """At 8.9K tokens of KV, checked teacher-forced in one forward: when every token of the solution (and the
+    EOS after it) is the argmax given the tokens before it, greedy decoding writes exactly that solution."""
+    filler = built_filler(str(LONG))
+    task = ChainTask(pairs=64, max_hops=256, min_hops=256, filler=filler)
+    example = ExampleStream(task, seed=1, split="heldout").next()
+    torch.set_num_threads(1)
+    model = load_model(LONG)
+    prompt = [TOKEN_TO_ID[BOS], *encode_words(example.prompt)]
+    target = [*encode_words(example.solution), TOKEN_TO_ID[EOS]]
+    ids = torch.tensor([prompt + target])
+    assert ids.shape[1] == task.sequence_tokens() > 8192
+    with torch.no_grad():
+        argmax = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+    wrong = [(i, VOCAB[target[i]], VOCAB[argmax[i]]) for i in range(len(target)) if argmax[i] != target[i]]
+    assert not wrong, f"{len(wrong)} of {len(target)} tokens differ (position, wanted, argmax): {wrong[:5]}"
