@@ -41,4 +41,5 @@ def test_a_continued_build_refuses_another_size_or_hops_out_of_range_in_one_line
     r = sparrow("model", "build", "--size", "tiny", "--out", tmp_path / "z", "--init-from", tmp_path)
     assert r.returncode == 2 and "no config.json there" in r.stderr
     r = sparrow("model", "build", "--size", "tiny", "--out", tmp_path / "w", "--head-share", "1")
-    assert r.returncode == 2 and r.stderr.strip() == "sparrow model: error: --head-share must be in [0, 1), got 1.0", r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == "sparrow model: error: --head-share must be in [0, 1), got 1.0"
