@@ -231,7 +231,6 @@ def test_a_policy_pushed_mid_decode_is_served_as_a_dense_engine_serves_it(engine
     # The dense reference of a sequence whose policy changes mid-decode is a dense engine given the same push
     # after the same number of tokens (its KV from before the push stays, as the speculative engine's does).
     from services.generator.vllm_engine import VllmEngine, VllmEngineConfig
-
     from sparrow.tasks import ChainTask, ExampleStream, encode_words
     from sparrow.tasks.vocab import BOS, TOKEN_TO_ID
 
