@@ -218,6 +218,11 @@ class SamplingGenerator:
                 self.doing = f"reconnecting after {exc.code()}"
                 log.info("trainer stream ended (%s); reconnecting", exc.code())
                 time.sleep(0.3)
+            except Exception as exc:  # a trainer that went away mid-fetch, a Redis blip: retry, as a generator does
+                self.errors += 1
+                self.doing = f"reconnecting after {type(exc).__name__}: {exc}"
+                log.warning("generator round failed (%r); reconnecting", exc)
+                time.sleep(0.3)
             finally:
                 channel.close()
 

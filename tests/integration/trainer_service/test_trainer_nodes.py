@@ -94,7 +94,7 @@ def test_two_nodes_train_a_killed_node_ends_the_other_and_both_resume(tmp_path):
             # Both pods again (a JobSet restart): the same arguments, 2 more steps than the checkpoint holds.
             steps = str(at_kill.step + 2)
             nodes = [_node(args, rank_var, i, logs[i], "--steps", steps) for i in (0, 1)]
-            assert nodes[0].wait(300) == 0, logs[0].read_text()[-4000:]
+            assert nodes[0].wait(300) == 0, f"{generator.describe()}\n{logs[0].read_text()[-4000:]}"
             assert nodes[1].wait(60) == 0, logs[1].read_text()[-4000:]
         finally:
             generator.close()
