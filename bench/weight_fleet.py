@@ -3,14 +3,12 @@
 `StandinGenerator` is a generator minus vLLM: the real VersionWatcher, VersionSync, WeightFetcher,
 PolicySource and relay server, with an engine side that loads each version's tensors into torch
 tensors (copies, resident like an engine's weights) and records their digest. `run_process` runs
-one in a process of its own and prints one JSON line per version it serves.
+one in a process of its own and sends one record per version it serves to its parent.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import sys
 import threading
 import time
 from pathlib import Path
@@ -105,36 +103,25 @@ class StandinGenerator:
 
 
 def run_process(
-    trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool = False, conn=None
+    trainer: str, root: str, generator_id: str, relay: bool, digest_checked: bool, stream: bool, conn
 ) -> None:
-    """A stand-in generator process: one JSON line per served version on stdout, until stdin closes.
-
-    With `conn` (a multiprocessing connection) the lines go to it as dicts instead, until it sends None or closes."""
+    """A stand-in generator process: one dict per served version to `conn` (a multiprocessing connection), until
+    it sends None or closes."""
     rss.reset_peak()  # this generator's own peak, not its parent's
     import torch
 
     torch.set_num_threads(1)
 
-    def emit(line: dict) -> None:
-        conn.send(line) if conn is not None else print(json.dumps(line), flush=True)
-
     def report(version: int, digest: str) -> None:
         line = {"generator": generator_id, "version": version, "digest": digest, "t": time.time()}
-        emit({**line, "peak_rss_bytes": rss.peak_bytes()})
+        conn.send({**line, "peak_rss_bytes": rss.peak_bytes()})
 
     gen = StandinGenerator(trainer, Path(root), generator_id, relay, digest_checked, on_loaded=report, stream=stream)
     gen.start()
-    emit({"generator": generator_id, "ready": True, "relay": gen.relay_address})
-    if conn is None:
-        sys.stdin.read()  # the bench closes stdin to stop us
-    else:
-        with contextlib.suppress(EOFError):
-            conn.recv()
+    conn.send({"generator": generator_id, "ready": True, "relay": gen.relay_address})
+    with contextlib.suppress(EOFError):
+        conn.recv()
     gen.close()
-
-
-if __name__ == "__main__":
-    run_process(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "1", sys.argv[5] == "1", sys.argv[6] == "1")
 
 
 class PublishingTrainer:
