@@ -54,15 +54,30 @@ def hidden_states(
     The model's own forward runs (so FSDP2's root hooks gather the root's parameters, the head's
     among them, and keep them for the backward) with `logits_to_keep=1`: the head itself is
     applied to one position only, and the final norm's output is taken by a hook. `extra` goes to
-    the forward as the caller would pass it (e.g. `sparrow_plan`).
+    the forward as the caller would pass it (e.g. `sparrow_plan`). Right-padded rows are attended
+    causally, without their padding mask (`forward_mask`): only their positions before the padding
+    are exact, the only ones the trainer reads.
     """
     captured: list[torch.Tensor] = []
     handle = model.get_decoder().norm.register_forward_hook(lambda _module, _args, out: captured.append(out))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1, **extra)
+        mask = forward_mask(attention_mask)
+        model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=1, **extra)
     finally:
         handle.remove()
     return captured[-1]
+
+
+def forward_mask(attention_mask: torch.Tensor) -> torch.Tensor | None:
+    """The padding mask to give the model: None when every row is right-padded (its ones, then its zeros).
+
+    Causal attention alone is then exact at every position before a row's padding, the only ones a
+    caller reads, and SDPA runs its fused causal kernel. Given the padding mask, transformers builds a
+    [T, T] mask per row and SDPA attends through it: at 8K tokens a row, several times slower.
+    """
+    lengths = attention_mask.sum(dim=1, keepdim=True)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :]
+    return None if torch.equal(attention_mask.bool(), positions < lengths) else attention_mask
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, temperature: float, chunk: int) -> None:
