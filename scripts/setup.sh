@@ -12,12 +12,27 @@ command -v redis-server >/dev/null 2>&1 || need_apt+=(redis-server)
 command -v prometheus >/dev/null 2>&1 || need_apt+=(prometheus)
 # the code sandbox's jail (services/sandbox/jail.py)
 command -v bwrap >/dev/null 2>&1 || need_apt+=(bubblewrap)
+# They install while pip works below (a clean machine's set-up is mostly downloads); `finish` waits for them.
+apt_pid=
+apt_log="$(mktemp)"
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need_apt[*]}"
   if [ "$(id -u)" -ne 0 ]; then sudo=sudo; else sudo=; fi
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+  (
+    $sudo apt-get update -qq &&
+      DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
+  ) >"$apt_log" 2>&1 &
+  apt_pid=$!
 fi
+finish() {
+  if [ -n "$apt_pid" ] && ! wait "$apt_pid"; then
+    cat "$apt_log" >&2
+    echo "setup: installing the Debian packages (${need_apt[*]}) failed; see apt's output above" >&2
+    rm -f "$apt_log"
+    exit 1
+  fi
+  rm -f "$apt_log"
+}
 
 py="${PYTHON:-python3.11}"
 command -v "$py" >/dev/null 2>&1 || py=python3
@@ -29,6 +44,7 @@ fi
 stamp=.venv/.sparrow-deps
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  finish
   exit 0
 fi
 
@@ -50,5 +66,6 @@ rm -rf ./*.egg-info
   echo "setup: the environment does not import (torch, triton, transformers, vllm); see the pip output above" >&2
   exit 1
 }
+finish
 echo "$want" > "$stamp"
 echo "setup: done"
