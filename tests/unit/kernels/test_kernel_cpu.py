@@ -42,6 +42,22 @@ def test_cpu_extension_matches_reference(block_size, group):
         assert (out - want).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [16, 32])
+def test_a_half_precision_cache_decodes_as_its_float32_copy(dtype, d):
+    # The engine's cache is bf16 (vLLM's `auto` on CPU): its pages are widened once per page, exactly.
+    lens = [1, 17, 300, 129]
+    k32, v32, table, seq_lens, cents = _cache(lens, 2, 16, d)
+    k_cache, v_cache = k32.to(dtype), v32.to(dtype)
+    q = torch.randn(len(lens), 4, d, generator=torch.Generator().manual_seed(1))
+    scores = score_blocks_ref(q, cents, k32, table, seq_lens)
+    pages = select_blocks_ref(scores, seq_lens, torch.tensor([3, 4, 6, 9], dtype=torch.int32))
+    for selection in (pages, None):
+        want = sparse_decode_attention_ref(q, k_cache.float(), v_cache.float(), table, seq_lens, selection)
+        out = sparse_decode_attention_cpu(q, k_cache, v_cache, table, seq_lens, selection)
+        assert (out - want).abs().max() <= 1e-5
+
+
 def test_cpu_selection_breaks_ties_like_the_reference():
     gen = torch.Generator().manual_seed(3)
     for _ in range(100):
