@@ -111,7 +111,7 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
         f"| {f(s['max_abs_kl_rollout_dense'], '.2e')} |",
         f"| steps | {d['steps_done']} | {s['steps_done']} |",
         "",
-        *_heldout_table(d["heldout"], s["heldout"]),
+        *_heldout_table(d["heldout"], s["heldout"], other),
         "![rollout tokens/s](compare_tokens_per_s.png)",
         "",
         "![accuracy](compare_accuracy.png)",
@@ -122,7 +122,7 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
         "",
         *compare_table(runs),
         "",
-        "Each run's own report: [dense](dense/report/report.md), [sparse](sparse/report/report.md).",
+        f"Each run's own report: [dense](dense/report/report.md), [{other}](sparse/report/report.md).",
         "",
     ]
     path = root / "report.md"
@@ -130,8 +130,10 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     return path, figs
 
 
-def _heldout_table(dense: list[dict], sparse: list[dict]) -> list[str]:
-    """Held-out rounds side by side, by round number: each source's first avg@ figure (none: no lines)."""
+def _heldout_table(dense: list[dict], sparse: list[dict], other: str = "sparse") -> list[str]:
+    """Held-out rounds side by side, by round number: each source's first avg@ figure (none: no lines).
+
+    `other`: how the second run decoded (sparse or speculative), its column's name."""
     if not dense and not sparse:
         return []
 
@@ -146,7 +148,7 @@ def _heldout_table(dense: list[dict], sparse: list[dict]) -> list[str]:
         return ", ".join(parts) or "-"
 
     by = {m: {(r["round"], r["mode"]): r for r in rs} for m, rs in (("dense", dense), ("sparse", sparse))}
-    lines = ["| held-out round (at step, decoded) | dense run | sparse run |", "|---|---|---|"]
+    lines = [f"| held-out round (at step, decoded) | dense run | {other} run |", "|---|---|---|"]
     for key in sorted(set(by["dense"]) | set(by["sparse"]), key=lambda k: (k[0], str(k[1]))):
         step = (by["dense"].get(key) or by["sparse"].get(key))["step"]
         lines.append(f"| {key[0]} ({step}, {key[1]}) | {cell(by['dense'].get(key))} | {cell(by['sparse'].get(key))} |")

@@ -148,6 +148,9 @@ def test_a_speculative_comparison_is_named_so_and_shows_the_mismatch_the_trainer
             r["tis_clip_fraction"], r["kl_rollout_dense"] = clip, kl
     _run(tmp_path / "cmp" / "dense", dense, {"run": {"mode": "dense"}})
     _run(tmp_path / "cmp" / "sparse", spec, {"run": {"mode": "speculative"}})
+    for mode in ("dense", "sparse"):
+        (tmp_path / "cmp" / mode / "trainer").mkdir()
+        (tmp_path / "cmp" / mode / "trainer" / "evals.jsonl").write_text(json.dumps(_eval_round(0, 0, 0.5)) + "\n")
     path, figs = build_compare_report(tmp_path / "cmp")
     assert figs["second_mode"] == "speculative"
     assert figs["sparse"]["max_abs_kl_rollout_dense"] == pytest.approx(3e-8)
@@ -157,6 +160,8 @@ def test_a_speculative_comparison_is_named_so_and_shows_the_mismatch_the_trainer
     assert "Measured rollout speedup of speculative over dense: **0.93x**" in md
     assert "| figure | dense | speculative |" in md
     assert "| max abs kl_rollout_dense of a step | 0.00e+00 | 3.00e-08 |" in md
+    assert "| held-out round (at step, decoded) | dense run | speculative run |" in md
+    assert "[speculative](sparse/report/report.md)" in md
     # a comparison without summaries (an older run folder) reads as dense vs sparse
     _run(tmp_path / "old" / "dense", dense)
     _run(tmp_path / "old" / "sparse", spec)
