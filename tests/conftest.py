@@ -44,7 +44,7 @@ def _own_environment():
 # whole, so its module-scoped servers and engines start once. The files that run programs in the code
 # sandbox's jail go to one worker together, one after another: test_hostile_programs.py checks that no
 # jailed process (uid 65534) outlives a run, machine-wide, so no other jail may run beside it.
-JAIL_FILES = (
+_JAIL_FILES = (
     "tests/integration/sandbox/",
     "tests/unit/sandbox/",
     "tests/integration/launcher/test_up_code_sandbox.py",
@@ -54,25 +54,6 @@ JAIL_FILES = (
 )
 
 
-def pytest_configure(config):
-    # The scopes go out in collection order, which pytest_collection_modifyitems below sets; xdist's own
-    # reordering (by test count) would put the long one-test files last.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config, items):
-    """Under `--dist loadfile`, the heaviest files first (tests/durations.py), each file's tests together as
-    collected: a two-minute file that starts last leaves the other worker idle for those two minutes."""
-    if getattr(config.option, "dist", "no") != "loadfile":
-        return
-    from tests.durations import load, scope_of
-
-    seconds = load()
-    if seconds:
-        items.sort(key=lambda item: -seconds.get(scope_of(item.nodeid.split("::", 1)[0], JAIL_FILES), 0.0))
-
-
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
@@ -80,8 +61,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class FilesAndOneJail(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            from tests.durations import scope_of
-
-            return scope_of(nodeid.split("::", 1)[0], JAIL_FILES)
+            path = nodeid.split("::", 1)[0]
+            return "jail" if path.startswith(_JAIL_FILES) else path
 
     return FilesAndOneJail(config, log)
