@@ -130,7 +130,7 @@ def build_compare_report(root: Path) -> tuple[Path, dict]:
     return path, figs
 
 
-def _heldout_table(dense: list[dict], sparse: list[dict], other: str = "sparse") -> list[str]:
+def _heldout_table(dense: list[dict], sparse: list[dict], other: str) -> list[str]:
     """Held-out rounds side by side, by round number: each source's first avg@ figure (none: no lines).
 
     `other`: how the second run decoded (sparse or speculative), its column's name."""

@@ -90,11 +90,10 @@ def test_the_dense_path_is_stock_sdpa_inside_the_registered_function(tiny_model,
 def test_right_padded_batches_attend_causally_without_their_mask_and_other_masks_are_kept(scorer, monkeypatch):
     from trainer import lm_head
 
-    ones = lambda rows: torch.tensor(rows)  # noqa: E731
-    assert lm_head.forward_mask(ones([[1, 1, 1, 0], [1, 1, 1, 1]])) is None
-    assert lm_head.forward_mask(ones([[1, 1], [1, 1]])) is None
+    assert lm_head.forward_mask(torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])) is None
+    assert lm_head.forward_mask(torch.tensor([[1, 1], [1, 1]])) is None
     for kept in ([[0, 1, 1, 1], [1, 1, 1, 1]], [[1, 0, 1, 1]]):  # left padding, a hole
-        mask = ones(kept)
+        mask = torch.tensor(kept)
         assert lm_head.forward_mask(mask) is mask
     # The scorer's right-padded batch reaches the model with no mask (its scores equal the unpadded
     # forwards': test_dense_scoring_equals_plain_transformers_forward).
