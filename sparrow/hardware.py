@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import os
+import platform
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 class HardwareError(ValueError):
@@ -78,12 +81,47 @@ def get_hardware(name: str) -> Hardware:
     return hw
 
 
-def probe_cpu(seconds: float = 1.0) -> Hardware:
-    """Measure this CPU's fp32 matmul FLOP/s and copy bandwidth with torch, in about `seconds`.
+PROBE_MAX_AGE_S = 24 * 3600.0
+"""how long a CPU's measured figures are reused (`sparrow.disk_cache`) before it is measured again"""
+
+
+def probe_cpu(seconds: float = 1.0, reuse: bool = True) -> Hardware:
+    """This CPU's fp32 matmul FLOP/s and copy bandwidth, measured with torch in about `seconds`.
 
     Achieved rates, not peaks: the best of several timed repetitions at torch's current thread count.
+    With `reuse`, a measurement of the same CPU model, cores, thread count and torch taken in the last
+    PROBE_MAX_AGE_S is returned instead: every process of a run prices the same figures, and a run's
+    start does not lose a second of both cores to each process's own measurement.
     """
     import torch  # lazily: the presets above need no torch
+
+    from sparrow import disk_cache
+
+    key = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if reuse:
+        kept = disk_cache.load("cpu-probe", key, PROBE_MAX_AGE_S)
+        if kept is not None:
+            try:
+                return Hardware(**kept)
+            except TypeError:  # written by another layout of Hardware: measure again
+                pass
+    hw = _measure_cpu(seconds)
+    disk_cache.store("cpu-probe", key, asdict(hw))
+    return hw
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _measure_cpu(seconds: float) -> Hardware:
+    import torch
 
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)

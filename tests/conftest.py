@@ -18,10 +18,14 @@ user runs.
 """
 
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Figures kept between processes (a CPU's measured speed, sparrow.disk_cache) go to a folder of the tests' own,
+# shared by the suite's workers and the services they start, never to the user's cache.
+os.environ.setdefault("SPARROW_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"sparrow-tests-cache-{os.getuid()}"))
 
 import torch  # noqa: E402
 

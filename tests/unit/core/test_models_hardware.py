@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from sparrow.hardware import HardwareError, get_hardware, list_hardware, probe_cpu
+from sparrow.hardware import Hardware, HardwareError, get_hardware, list_hardware, probe_cpu
 from sparrow.models import ModelSpecError, from_hf_config, get_model, list_models, resolve_model
 
 # Model-card totals and non-embedding counts, in billions.
@@ -64,10 +64,46 @@ def test_hardware_presets():
 
 
 def test_cpu_probe_measures_something_plausible():
-    hw = probe_cpu(seconds=0.2)
+    hw = probe_cpu(seconds=0.2, reuse=False)
     assert hw.name == "cpu" and hw.bytes_per_element == 4
     assert 1e8 < hw.peak_flops < 1e14
     assert 1e8 < hw.mem_bandwidth < 1e13
+
+
+def test_a_cpu_measurement_is_reused_until_it_is_old_or_unreadable(tmp_path, monkeypatch):
+    import time
+
+    from sparrow import disk_cache, hardware
+
+    monkeypatch.setenv(disk_cache.ENV, str(tmp_path))
+    measured = []
+
+    def measure(seconds):
+        measured.append(seconds)
+        return Hardware("cpu", 1e10 * len(measured), 1e9, 4, "measured")
+
+    monkeypatch.setattr(hardware, "_measure_cpu", measure)
+    first = probe_cpu()
+    assert probe_cpu() == first and get_hardware("cpu") == first and len(measured) == 1  # one measurement, shared
+    assert probe_cpu(reuse=False).peak_flops == 2e10  # measured again on request, and kept
+    assert probe_cpu().peak_flops == 2e10 and len(measured) == 2
+    (entry,) = (tmp_path / "cpu-probe").glob("*.json")
+    entry.write_text("{not json")  # torn or hand-edited: a miss, measured and written again
+    assert probe_cpu().peak_flops == 3e10 and probe_cpu().peak_flops == 3e10 and len(measured) == 3
+    monkeypatch.setattr(time, "time", lambda real=time.time: real() + hardware.PROBE_MAX_AGE_S + 1)
+    assert probe_cpu().peak_flops == 4e10  # a day old: measured again
+    monkeypatch.setenv(disk_cache.ENV, "none")  # caching off: every call measures
+    assert probe_cpu().peak_flops == 5e10 and probe_cpu().peak_flops == 6e10
+
+
+def test_a_cache_folder_that_cannot_be_written_costs_only_the_reuse(tmp_path, monkeypatch):
+    from sparrow import disk_cache, hardware
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(disk_cache.ENV, str(blocker / "below-a-file"))
+    monkeypatch.setattr(hardware, "_measure_cpu", lambda seconds: Hardware("cpu", 1e10, 1e9, 4, "measured"))
+    assert probe_cpu().peak_flops == 1e10
 
 
 def test_auto_is_this_machines_hardware(monkeypatch):
