@@ -71,26 +71,37 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if self.on_hello is not None:
             self.on_hello(generator)
         yield self._hello()
-        async for request in requests:
-            kind = request.WhichOneof("item")
-            if kind == "hello":  # a generator may ask again for the latest versions
-                yield self._hello()
-                continue
-            if kind != "trajectory":
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message must hold a hello or a trajectory")
-            t = request.trajectory
-            try:
-                status, reason = await asyncio.to_thread(self.receive, t)
-            except StoreError as exc:
-                # Not the trajectory's fault: the generator reconnects and resends it.
-                log.error("cannot store trajectory %s: %s", t.trajectory_id, exc)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer cannot store trajectories now: {exc}")
-            self.metrics.trajectories.labels(status=status).inc()
-            if status == "rejected":
-                log.info("rejected trajectory %s from %s: %s", t.trajectory_id, generator, reason)
-            yield rollout_pb2.StreamTrajectoriesResponse(
-                ack=rollout_pb2.TrajectoryAck(trajectory_id=t.trajectory_id, status=_STATUS[status], reason=reason)
-            )
+        # A stopping trainer ends the stream at once rather than at the end of its gRPC grace: the generator
+        # would never close it, being alive, and reconnects (to the trainer's successor) on UNAVAILABLE.
+        closing = asyncio.ensure_future(self.weights.wait_closed())
+        try:
+            while True:
+                request = await _next_unless_closing(requests, closing, context)
+                if request is None:
+                    return
+                yield await self._answer(request, generator, context)
+        finally:
+            closing.cancel()
+
+    async def _answer(self, request, generator: str, context: grpc.aio.ServicerContext):
+        kind = request.WhichOneof("item")
+        if kind == "hello":  # a generator may ask again for the latest versions
+            return self._hello()
+        if kind != "trajectory":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a message must hold a hello or a trajectory")
+        t = request.trajectory
+        try:
+            status, reason = await asyncio.to_thread(self.receive, t)
+        except StoreError as exc:
+            # Not the trajectory's fault: the generator reconnects and resends it.
+            log.error("cannot store trajectory %s: %s", t.trajectory_id, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"trainer cannot store trajectories now: {exc}")
+        self.metrics.trajectories.labels(status=status).inc()
+        if status == "rejected":
+            log.info("rejected trajectory %s from %s: %s", t.trajectory_id, generator, reason)
+        return rollout_pb2.StreamTrajectoriesResponse(
+            ack=rollout_pb2.TrajectoryAck(trajectory_id=t.trajectory_id, status=_STATUS[status], reason=reason)
+        )
 
     def _hello(self) -> rollout_pb2.StreamTrajectoriesResponse:
         return rollout_pb2.StreamTrajectoriesResponse(hello=rollout_pb2.TrainerHello(latest=self.weights.versions()))
@@ -121,3 +132,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return "accepted", ""
         note = "being trained now" if state == TAKEN else "already stored"
         return "duplicate", f"sample {t.sample_index} of group {t.group_id} is {note}"
+
+
+async def _next_unless_closing(requests, closing: asyncio.Future, context: grpc.aio.ServicerContext):
+    """The stream's next request (None at its end), or UNAVAILABLE for the caller once the trainer is stopping."""
+    if not closing.done():
+        upcoming = asyncio.ensure_future(anext(requests, None))
+        try:
+            await asyncio.wait({upcoming, closing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the trainer stopping, or this handler cancelled (its caller gone): no read left behind
+            read = upcoming.done()
+            if not read:
+                upcoming.cancel()
+        if read:
+            return upcoming.result()
+    await context.abort(grpc.StatusCode.UNAVAILABLE, "the trainer is stopping")

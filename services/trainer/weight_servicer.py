@@ -49,6 +49,15 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         """What the trainer publishes now (schedules come from the controller through Redis, not from here)."""
         return common_pb2.Versions(policy_version=self.store.latest(POLICY), adapter_version=self.store.latest(ADAPTER))
 
+    async def wait_closed(self) -> None:
+        """Return once the store is closed (the trainer is stopping)."""
+        changed = self._change_event()
+        while not self.store.closed:
+            try:
+                await asyncio.wait_for(changed.wait(), WATCH_POLL_S)
+            except TimeoutError:
+                pass
+
     async def WatchVersions(self, request: weights_pb2.WatchVersionsRequest, context: grpc.aio.ServicerContext):
         changed = self._change_event()
         seen: tuple[int, int] | None = None

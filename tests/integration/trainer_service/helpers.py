@@ -86,6 +86,10 @@ class RolloutSession:
         self._requests.put(request)
         return next(self._responses)
 
+    def receive(self) -> rollout_pb2.StreamTrajectoriesResponse:
+        """The server's next message, sent unasked (or the RpcError it ends the stream with)."""
+        return next(self._responses)
+
     def close(self) -> None:
         self._requests.put(None)
         for _ in self._responses:  # let the server end the stream

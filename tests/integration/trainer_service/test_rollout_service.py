@@ -234,3 +234,19 @@ def test_the_service_token_is_required_but_health_stays_open(tmp_path, model):
         t = sample_trajectories(model, "grp-0", srv.ledger.get("grp-0").prompt_token_ids, 1, 1)[0]
         assert session.send(t).status == ACCEPTED
         session.close()
+
+
+def test_a_stopping_trainer_ends_an_open_stream_at_once_with_unavailable(tmp_path, model):
+    """A live generator never closes its stream; the trainer ends it when it stops (its weight store closes), so
+    the server's stop does not sit out its grace, and the generator is told to reconnect (UNAVAILABLE)."""
+    with _server(tmp_path) as srv:
+        session = RolloutSession(open_channel(srv.address, GrpcSecurity()), timeout=60)  # a hang fails
+        good = sample_trajectories(model, "grp-0", srv.ledger.get("grp-0").prompt_token_ids, N, policy_version=2)
+        assert session.send(good[0]).status == ACCEPTED  # acked before the stop: stored and answered
+        srv.weights.close()
+        with pytest.raises(grpc.RpcError) as exc:
+            session.receive()  # nothing sent: the server ends the stream by itself
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE and "stopping" in exc.value.details()
+        srv.server.stop(5.0)
+        assert srv.server.ended_at_stop == 0  # no call was left open to sit out the grace
+        assert srv.store.has_id(good[0].trajectory_id)
