@@ -12,7 +12,7 @@
 #include <functional>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 #include <limits>
@@ -245,98 +245,6 @@ PageUpdate fast_page_update(int64_t d) {
   return nullptr;
 }
 
-template <typename T>
-void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                 const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int32_t* pages,
-                 int64_t max_sel, double scale, torch::Tensor& out) {
-  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
-  const int64_t heads = k_cache.size(1), bs = k_cache.size(2);
-  const int64_t g = hq / heads;
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  float* op = out.data_ptr<float>();
-  const PageUpdate fast = fast_page_update<T>(d);
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / heads, h = item % heads;
-      std::vector<float> acc(g * d, 0.f), m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
-      const int64_t len = lens[r];
-      const int64_t n_pages = (len + kPage - 1) / kPage;
-      const int64_t n = pages ? max_sel : n_pages;
-      auto page_at = [&](int64_t j) -> int64_t { return pages ? pages[(r * heads + h) * max_sel + j] : j; };
-      auto page_ptr = [&](const T* base, int64_t p) {
-        const int64_t blk = bt[r * bt_stride + (p * kPage) / bs];
-        return base + ((blk * heads + h) * bs + (p * kPage) % bs) * d;
-      };
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t p = page_at(j);
-        if (p < 0) continue;
-        if (j + 1 < n && page_at(j + 1) >= 0) {
-          prefetch(page_ptr(kp, page_at(j + 1)), kPage * d * sizeof(T));
-          prefetch(page_ptr(vp, page_at(j + 1)), kPage * d * sizeof(T));
-        }
-        const int64_t valid = std::min<int64_t>(kPage, len - p * kPage);
-        const T* kb = page_ptr(kp, p);
-        const T* vb = page_ptr(vp, p);
-        if (fast) {
-          for (int64_t gi = 0; gi < g; ++gi) {
-            fast(qp + (r * hq + h * g + gi) * d, reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb),
-                 valid, static_cast<float>(scale), m[gi], l[gi], acc.data() + gi * d);
-          }
-          continue;
-        }
-        for (int64_t gi = 0; gi < g; ++gi) {
-          page_update(qp + (r * hq + h * g + gi) * d, kb, vb, valid, static_cast<float>(scale), d, m[gi], l[gi],
-                      acc.data() + gi * d);
-        }
-      }
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* dst = op + (r * hq + h * g + gi) * d;
-        const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
-        for (int64_t i = 0; i < d; ++i) dst[i] = acc[gi * d + i] * inv;
-      }
-    }
-  });
-}
-
-// The caches of one layer and queries against them; `q_rows` names q's first dimension in the message.
-void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                     const char* q_rows) {
-  check_cache(k_cache, "k_cache");
-  check_cache(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k_cache and v_cache must match");
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
-              "q must be [", q_rows, ", q_heads, head_dim] matching the cache");
-}
-
-// out[r, hq] = softmax attention of q[r, hq] over the selected pages of its KV head (all pages
-// when page_indices is empty), tokens past seq_lens[r] excluded. Returns float32.
-torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_table, torch::Tensor seq_lens,
-                            c10::optional<torch::Tensor> page_indices, double scale) {
-  check_attention(q, k_cache, v_cache, "rows");
-  auto qf = q.to(torch::kFloat).contiguous();
-  auto bt = block_table.to(torch::kLong).contiguous();
-  auto lens = seq_lens.to(torch::kLong).contiguous();
-  torch::Tensor pages;
-  int64_t max_sel = 0;
-  if (page_indices.has_value()) {
-    pages = page_indices->to(torch::kInt).contiguous();
-    TORCH_CHECK(pages.dim() == 3 && pages.size(0) == q.size(0) && pages.size(1) == k_cache.size(1),
-                "page_indices must be [rows, kv_heads, n]");
-    max_sel = pages.size(2);
-  }
-  auto out = torch::empty(qf.sizes(), qf.options());
-  const int32_t* pp = pages.defined() ? pages.data_ptr<int32_t>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, k_cache.scalar_type(), "sparse_decode", [&] {
-    decode_impl<scalar_t>(qf, k_cache, v_cache, bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(), pp,
-                          max_sel, scale, out);
-  });
-  return out;
-}
-
 // One page against many query vectors (any cache dtype and head_dim): the page's keys are transposed once, so
 // each query's 16 logits and weights are loops over the page's 16 tokens, and its values a loop over head_dim,
 // each of which the compiler vectorizes. Query j reads the page's first upto[j] tokens (none when <= 0). The
@@ -388,6 +296,230 @@ void page_update_many(const float* const* qvs, const int64_t* upto, int64_t coun
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// exp(x) of eight lanes, x <= 0: exp_nonpositive's arithmetic, lane by lane (round-to-nearest for the split,
+// which keeps |f| <= 1/2 as floor(t + 1/2) does).
+inline __m256 exp8_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// page_update_many with AVX2 and FMA, for head_dim a multiple of 8: the page's keys (transposed) and values are
+// widened to float32 once for all the queries, each query's 16 logits are two registers fed by two independent
+// FMA chains, its weights come from exp8_nonpositive, and its accumulator takes the 16 values in two chains per
+// 8 lanes. Tokens past a query's `upto` (and past `valid`) weigh exactly 0, as in page_update_many.
+template <typename T>
+void page_update_many_avx2(const float* const* qvs, const int64_t* upto, int64_t count, const T* kb, const T* vb,
+                           int64_t valid, int64_t d, float scale, float* m, float* l, float* acc, float* kt,
+                           float* vf) {
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t t = 0; t < kPage; ++t) kt[i * kPage + t] = t < valid ? static_cast<float>(kb[t * d + i]) : 0.f;
+  }
+  for (int64_t t = 0; t < kPage; ++t) {
+    for (int64_t x = 0; x < d; ++x) vf[t * d + x] = t < valid ? static_cast<float>(vb[t * d + x]) : 0.f;
+  }
+  const __m256 iota_lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 iota_hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256 sc = _mm256_set1_ps(scale);
+  alignas(32) float w[kPage];
+  for (int64_t j = 0; j < count; ++j) {
+    const int64_t lim = std::min(upto[j], valid);
+    if (lim <= 0) continue;
+    const float* qv = qvs[j];
+    __m256 lo_a = _mm256_setzero_ps(), hi_a = _mm256_setzero_ps();
+    __m256 lo_b = _mm256_setzero_ps(), hi_b = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 2) {
+      const __m256 qa = _mm256_set1_ps(qv[i]), qb = _mm256_set1_ps(qv[i + 1]);
+      lo_a = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kt + i * kPage), lo_a);
+      hi_a = _mm256_fmadd_ps(qa, _mm256_loadu_ps(kt + i * kPage + 8), hi_a);
+      lo_b = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kt + (i + 1) * kPage), lo_b);
+      hi_b = _mm256_fmadd_ps(qb, _mm256_loadu_ps(kt + (i + 1) * kPage + 8), hi_b);
+    }
+    __m256 lo = _mm256_mul_ps(_mm256_add_ps(lo_a, lo_b), sc);
+    __m256 hi = _mm256_mul_ps(_mm256_add_ps(hi_a, hi_b), sc);
+    const __m256 limit = _mm256_set1_ps(static_cast<float>(lim));
+    const __m256 in_lo = _mm256_cmp_ps(iota_lo, limit, _CMP_LT_OQ);
+    const __m256 in_hi = _mm256_cmp_ps(iota_hi, limit, _CMP_LT_OQ);
+    lo = _mm256_blendv_ps(neg_inf, lo, in_lo);
+    hi = _mm256_blendv_ps(neg_inf, hi, in_hi);
+    const float new_m = std::max(m[j], hmax8(_mm256_max_ps(lo, hi)));
+    const __m256 shift = _mm256_set1_ps(new_m);
+    const __m256 w_lo = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(lo, shift)), in_lo);
+    const __m256 w_hi = _mm256_and_ps(exp8_nonpositive(_mm256_sub_ps(hi, shift)), in_hi);
+    _mm256_store_ps(w, w_lo);
+    _mm256_store_ps(w + 8, w_hi);
+    const float correction = exp_nonpositive(m[j] - new_m);
+    l[j] = l[j] * correction + hsum8(_mm256_add_ps(w_lo, w_hi));
+    m[j] = new_m;
+    const __m256 cv = _mm256_set1_ps(correction);
+    float* a = acc + j * d;
+    for (int64_t x = 0; x < d; x += 8) {
+      __m256 even = _mm256_mul_ps(_mm256_loadu_ps(a + x), cv), odd = _mm256_setzero_ps();
+      for (int64_t t = 0; t < kPage; t += 2) {
+        even = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(vf + t * d + x), even);
+        odd = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), _mm256_loadu_ps(vf + (t + 1) * d + x), odd);
+      }
+      _mm256_storeu_ps(a + x, _mm256_add_ps(even, odd));
+    }
+  }
+}
+#endif
+
+constexpr bool avx2_applies(int64_t d) {
+#if defined(__AVX2__) && defined(__FMA__)
+  return d % 8 == 0;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+// Every query vector of a (row, KV head) against one page: the AVX2 routine where it applies, else the generic one.
+// `kt` and `vf` are scratch of kPage * d floats each.
+template <typename T>
+inline void page_update_queries(const float* const* qvs, const int64_t* upto, int64_t count, const T* kb,
+                                const T* vb, int64_t valid, int64_t d, float scale, float* m, float* l, float* acc,
+                                float* kt, float* vf) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (avx2_applies(d)) {
+    page_update_many_avx2(qvs, upto, count, kb, vb, valid, d, scale, m, l, acc, kt, vf);
+    return;
+  }
+#endif
+  (void)vf;
+  page_update_many(qvs, upto, count, kb, vb, valid, d, scale, m, l, acc, kt);
+}
+
+template <typename T>
+void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int32_t* pages,
+                 int64_t max_sel, double scale, torch::Tensor& out) {
+  const int64_t rows = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t heads = k_cache.size(1), bs = k_cache.size(2);
+  const int64_t g = hq / heads;
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  float* op = out.data_ptr<float>();
+  const PageUpdate fast = fast_page_update<T>(d);
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads;
+      std::vector<float> acc(g * d, 0.f), m(g, -std::numeric_limits<float>::infinity()), l(g, 0.f);
+      // Where the AVX2 routine applies, the GQA group's query vectors read each page together (widened and
+      // transposed once for all of them); elsewhere the generic per-token loop, one query at a time.
+      const bool together = !fast && avx2_applies(d);
+      std::vector<float> kt(together ? kPage * d : 0), vf(together ? kPage * d : 0);
+      std::vector<const float*> qvs(g);
+      std::vector<int64_t> upto(g, kPage);
+      for (int64_t gi = 0; gi < g; ++gi) qvs[gi] = qp + (r * hq + h * g + gi) * d;
+      const int64_t len = lens[r];
+      const int64_t n_pages = (len + kPage - 1) / kPage;
+      const int64_t n = pages ? max_sel : n_pages;
+      auto page_at = [&](int64_t j) -> int64_t { return pages ? pages[(r * heads + h) * max_sel + j] : j; };
+      auto page_ptr = [&](const T* base, int64_t p) {
+        const int64_t blk = bt[r * bt_stride + (p * kPage) / bs];
+        return base + ((blk * heads + h) * bs + (p * kPage) % bs) * d;
+      };
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t p = page_at(j);
+        if (p < 0) continue;
+        if (j + 1 < n && page_at(j + 1) >= 0) {
+          prefetch(page_ptr(kp, page_at(j + 1)), kPage * d * sizeof(T));
+          prefetch(page_ptr(vp, page_at(j + 1)), kPage * d * sizeof(T));
+        }
+        const int64_t valid = std::min<int64_t>(kPage, len - p * kPage);
+        const T* kb = page_ptr(kp, p);
+        const T* vb = page_ptr(vp, p);
+        if (fast) {
+          for (int64_t gi = 0; gi < g; ++gi) {
+            fast(qp + (r * hq + h * g + gi) * d, reinterpret_cast<const float*>(kb), reinterpret_cast<const float*>(vb),
+                 valid, static_cast<float>(scale), m[gi], l[gi], acc.data() + gi * d);
+          }
+          continue;
+        }
+        if (together) {
+          page_update_queries(qvs.data(), upto.data(), g, kb, vb, valid, d, static_cast<float>(scale), m.data(),
+                              l.data(), acc.data(), kt.data(), vf.data());
+          continue;
+        }
+        for (int64_t gi = 0; gi < g; ++gi) {
+          page_update(qvs[gi], kb, vb, valid, static_cast<float>(scale), d, m[gi], l[gi], acc.data() + gi * d);
+        }
+      }
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* dst = op + (r * hq + h * g + gi) * d;
+        const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+        for (int64_t i = 0; i < d; ++i) dst[i] = acc[gi * d + i] * inv;
+      }
+    }
+  });
+}
+
+// The caches of one layer and queries against them; `q_rows` names q's first dimension in the message.
+void check_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const char* q_rows) {
+  check_cache(k_cache, "k_cache");
+  check_cache(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must match");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(1) == 0,
+              "q must be [", q_rows, ", q_heads, head_dim] matching the cache");
+}
+
+// out[r, hq] = softmax attention of q[r, hq] over the selected pages of its KV head (all pages
+// when page_indices is empty), tokens past seq_lens[r] excluded. Returns float32.
+torch::Tensor sparse_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_table, torch::Tensor seq_lens,
+                            c10::optional<torch::Tensor> page_indices, double scale) {
+  check_attention(q, k_cache, v_cache, "rows");
+  auto qf = q.to(torch::kFloat).contiguous();
+  auto bt = block_table.to(torch::kLong).contiguous();
+  auto lens = seq_lens.to(torch::kLong).contiguous();
+  torch::Tensor pages;
+  int64_t max_sel = 0;
+  if (page_indices.has_value()) {
+    pages = page_indices->to(torch::kInt).contiguous();
+    TORCH_CHECK(pages.dim() == 3 && pages.size(0) == q.size(0) && pages.size(1) == k_cache.size(1),
+                "page_indices must be [rows, kv_heads, n]");
+    max_sel = pages.size(2);
+  }
+  auto out = torch::empty(qf.sizes(), qf.options());
+  const int32_t* pp = pages.defined() ? pages.data_ptr<int32_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, k_cache.scalar_type(), "sparse_decode", [&] {
+    decode_impl<scalar_t>(qf, k_cache, v_cache, bt.data_ptr<int64_t>(), bt.size(1), lens.data_ptr<int64_t>(), pp,
+                          max_sel, scale, out);
+  });
+  return out;
+}
+
 template <typename T>
 void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                   const int64_t* bt, int64_t bt_stride, const int64_t* lens, const int64_t* starts, int64_t rows,
@@ -414,7 +546,7 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
       std::vector<float> acc(nq * d, 0.f), m(nq, -std::numeric_limits<float>::infinity()), l(nq, 0.f);
       std::vector<const float*> qvs(nq);
       std::vector<int64_t> upto(nq);
-      std::vector<float> kt(many ? kPage * d : 0);
+      std::vector<float> kt(many ? kPage * d : 0), vf(many ? kPage * d : 0);
       for (int64_t i = 0; i < q_len; ++i) {
         for (int64_t gi = 0; gi < g; ++gi) qvs[i * g + gi] = qp + ((s0 + i) * hq + h * g + gi) * d;
       }
@@ -436,8 +568,8 @@ void prefill_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const to
           for (int64_t i = 0; i < q_len; ++i) {
             for (int64_t gi = 0; gi < g; ++gi) upto[i * g + gi] = first + i - p * kPage + 1;
           }
-          page_update_many(qvs.data(), upto.data(), nq, kb, vb, valid, d, sc, m.data(), l.data(), acc.data(),
-                           kt.data());
+          page_update_queries(qvs.data(), upto.data(), nq, kb, vb, valid, d, sc, m.data(), l.data(), acc.data(),
+                              kt.data(), vf.data());
           continue;
         }
         const int64_t upto_one = std::min<int64_t>(valid, first - p * kPage + 1);  // the one query: q_len 1, g 1
