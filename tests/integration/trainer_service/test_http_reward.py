@@ -157,7 +157,7 @@ def test_a_short_run_scored_by_a_reward_server_that_fails_some_calls(tmp_path):
             config = _config(tmp_path / "run", redis.url, steps=2, **{"reward.name": url, "reward.http.retries": 0})
             with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
                 wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 240, "two steps", explain=service.waiting_for)
-                metrics = _metrics(service.metrics_port)
+                metrics = _metrics(service)
     finally:
         server.should_exit = True
         thread.join(10)

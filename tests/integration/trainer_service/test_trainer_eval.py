@@ -24,7 +24,7 @@ def test_eval_rounds_report_avg_and_pass_at_k_dense_and_under_the_schedule(tmp_p
         config = config.model_copy(update={"redis": config.redis.model_copy(update={"url": redis.url})})
         with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
             wait_until(lambda: len(service.evaluator.results) >= 6, 180, "three evaluation rounds, two modes each")
-            metrics = _metrics(service.metrics_port)
+            metrics = _metrics(service)
         entries = redis_client.Redis.from_url(redis.url).xrange(PROMPTS_STREAM)
     # Each round's prompts go out once per mode: dense ones ask the generators for dense attention, scheduled
     # ones for the schedule; both are evaluation groups (never probes). Training groups are neither.
@@ -99,7 +99,7 @@ def test_rewards_that_hang_raise_or_return_nan_score_zero_and_the_step_completes
         config = _config(tmp_path / "run", redis.url, **extra)
         with _running(config, True, tmp_path / "gen") as (service, _generator, _address):
             wait_until(lambda: len(_steps(tmp_path / "run")) >= 1, 240, "the step, whatever the rewards did")
-            metrics = _metrics(service.metrics_port)
+            metrics = _metrics(service)
     [step] = _steps(tmp_path / "run")
     # Rewards run as trajectories arrive, for the next groups too: which calls the step's samples got varies,
     # but every sample scored either 1 or 0 with an error counted.

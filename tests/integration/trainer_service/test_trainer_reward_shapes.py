@@ -80,7 +80,7 @@ def test_verl_and_trl_rewards_score_a_short_run_with_their_own_arguments(tmp_pat
                 return {"verl_math", "trl_qa"} <= {src for s in _steps(run) for src in s["reward_by_source"]}
 
             wait_until(both_scored, 300, "steps with groups of both sources", explain=service.waiting_for)
-            metrics = _metrics(service.metrics_port)
+            metrics = _metrics(service)
     steps = _steps(run)
     assert sum(s["reward_errors"] for s in steps) == 0  # any assertion of the rewards would have counted here
     by_source: dict[str, set[float]] = {}

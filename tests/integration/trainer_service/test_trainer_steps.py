@@ -79,9 +79,21 @@ def _answer(prompt: str) -> str:
     return name
 
 
-def _metrics(port: int) -> dict[str, float]:
+def _scrape(port: int) -> dict[str, float]:
+    """The trainer's /metrics over HTTP, as Prometheus reads it."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        text = resp.read().decode()
+        return _parse(resp.read().decode())
+
+
+def _metrics(service: TrainerService) -> dict[str, float]:
+    """The trainer's metrics read in the test's process: a trainer that has run its last step stops, and its
+    /metrics with it, as soon as it has checkpointed, which a test reading after that step could race."""
+    from prometheus_client import generate_latest
+
+    return _parse(generate_latest(service.metrics.registry).decode())
+
+
+def _parse(text: str) -> dict[str, float]:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -102,7 +114,7 @@ def test_steps_reward_export_publish_and_advance_the_policy(tmp_path):
         state = lambda: f"{service.waiting_for()}\n{generator.describe()}"  # noqa: E731
         wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 240, "two training steps", explain=state)
         wait_until(lambda: generator.version >= 3, 60, "the generator on the policy after step 2", explain=state)
-        metrics = _metrics(service.metrics_port)
+        metrics = _scrape(service.metrics_port)  # mid-run: the endpoint itself
         channel = open_channel(address, GrpcSecurity())
         version, _ = fetch_policy(channel, tmp_path / "fetched", version=3, chunk_bytes=8192)
         fetched = load_model(tmp_path / "fetched")
@@ -210,7 +222,7 @@ def test_probe_samples_are_trained_on_but_kept_out_of_the_schedules_tail_statist
         with _running(config, False, tmp_path / "gen", probe_budget=48) as (service, generator, _):
             wait_until(lambda: len(_steps(tmp_path / "run")) >= 1, 120, "a training step")
             done = len(_steps(tmp_path / "run"))
-            metrics = _metrics(service.metrics_port)  # the gauges of step `done` or of one just after it
+            metrics = _metrics(service)  # the gauges of step `done` or of one just after it
             wait_until(lambda: len(_steps(tmp_path / "run")) >= done + 1, 120, "the next step's line")
             steps = _steps(tmp_path / "run")[done - 1 : done + 1]
             trajectories = dict(generator.trajectories)
@@ -243,7 +255,7 @@ def test_exact_alpha_steps_export_both_series_and_exact_never_below_the_bound(tm
         # Probe samples carry a 48-token budget (3 pages of 16): the exact pass runs them block-sparse.
         with _running(config, True, tmp_path / "gen", probe_budget=48) as (service, generator, _):
             wait_until(lambda: len(_steps(tmp_path / "run")) >= 2, 180, "two training steps")
-            metrics = _metrics(service.metrics_port)
+            metrics = _metrics(service)
     step = _steps(tmp_path / "run")[1]
     assert 0 < step["exact_seconds"] < step["seconds"]  # the pass's own time, part of the step's
     # The split charges the pass to `exact_alpha`, out of the dense scoring it runs inside.
