@@ -133,7 +133,14 @@ def test_two_ranks_train_serve_and_publish_and_a_killed_rank_ends_the_trainer_in
             # The restart: same run dir, 2 ranks again, now started by `sparrow trainer` itself and trained until
             # SIGTERM, which it passes on: rank 0 checkpoints and stops the other, both exit 0, and so does it.
             second = _sparrow_trainer(config, log, "--nproc-per-node", "2")
-            wait_until(lambda: _newest(run_dir).step >= at_kill.step + 2, 240, "2 steps after the restart")
+            # The generator follows the policy only when it takes a new group: the restart's steps may train on
+            # groups it sampled before, so it is waited for too (it must load a version the ranks published).
+            wait_until(
+                lambda: _newest(run_dir).step >= at_kill.step + 2 and generator.version > 2,
+                240,
+                "2 steps after the restart, and the generator on a policy published by the ranks",
+                explain=generator.describe,
+            )
             second.send_signal(signal.SIGTERM)
             assert second.wait(STOP_GRACE_S + 30) == 0, log.read_text()[-4000:]
         finally:
