@@ -245,6 +245,14 @@ PageUpdate fast_page_update(int64_t d) {
   return nullptr;
 }
 
+// kt[i, t] = float(kb[t, i]) for the page's first `valid` tokens, 0 past them: a page's keys, transposed.
+template <typename T>
+inline void widen_transposed(const T* kb, int64_t valid, int64_t d, float* kt) {
+  for (int64_t i = 0; i < d; ++i) {
+    for (int64_t t = 0; t < kPage; ++t) kt[i * kPage + t] = t < valid ? static_cast<float>(kb[t * d + i]) : 0.f;
+  }
+}
+
 // One page against many query vectors (any cache dtype and head_dim): the page's keys are transposed once, so
 // each query's 16 logits and weights are loops over the page's 16 tokens, and its values a loop over head_dim,
 // each of which the compiler vectorizes. Query j reads the page's first upto[j] tokens (none when <= 0). The
@@ -253,9 +261,7 @@ PageUpdate fast_page_update(int64_t d) {
 template <typename T>
 void page_update_many(const float* const* qvs, const int64_t* upto, int64_t count, const T* kb, const T* vb,
                       int64_t valid, int64_t d, float scale, float* m, float* l, float* acc, float* kt) {
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t t = 0; t < kPage; ++t) kt[i * kPage + t] = t < valid ? static_cast<float>(kb[t * d + i]) : 0.f;
-  }
+  widen_transposed(kb, valid, d, kt);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < count; ++j) {
     const int64_t lim = std::min(upto[j], valid);
@@ -338,9 +344,7 @@ template <typename T>
 void page_update_many_avx2(const float* const* qvs, const int64_t* upto, int64_t count, const T* kb, const T* vb,
                            int64_t valid, int64_t d, float scale, float* m, float* l, float* acc, float* kt,
                            float* vf) {
-  for (int64_t i = 0; i < d; ++i) {
-    for (int64_t t = 0; t < kPage; ++t) kt[i * kPage + t] = t < valid ? static_cast<float>(kb[t * d + i]) : 0.f;
-  }
+  widen_transposed(kb, valid, d, kt);
   for (int64_t t = 0; t < kPage; ++t) {
     for (int64_t x = 0; x < d; ++x) vf[t * d + x] = t < valid ? static_cast<float>(vb[t * d + x]) : 0.f;
   }
