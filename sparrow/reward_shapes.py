@@ -31,6 +31,9 @@ class RewardError(ValueError):
 
 
 SPARROW, VERL, VERL_BATCH, TRL, VERIFIERS = "sparrow", "verl", "verl_batch", "trl", "verifiers"
+# Why a reward call scored 0: the caller's own (raised, non_finite, bad_value) and the worker pool's (timeout,
+# crashed, unavailable); the values of `sparrow_trainer_reward_errors_total{reason}`.
+REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed", "unavailable")
 BATCHED = (VERL_BATCH, TRL)  # shapes that score a whole group in one call
 TRL_OWN = frozenset({"prompts", "completions", "completion_ids"})  # what TRL passes beside the row's columns
 

@@ -11,10 +11,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from services.trainer.tail_metrics import TailMetrics
 from sparrow import metrics_contract as mc
+from sparrow.reward_shapes import REWARD_ERROR_REASONS
 from sparrow.timing import OTHER
 
 ACK_STATUSES = ("accepted", "duplicate", "rejected")
-REWARD_ERROR_REASONS = ("timeout", "raised", "non_finite", "bad_value", "crashed", "unavailable")
 # Step time spans seconds (tiny CPU models) to many minutes (long-context GPU steps).
 STEP_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 

@@ -25,8 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.trainer.metrics import REWARD_ERROR_REASONS as REASONS
 from sparrow.reward_registry import BUDGET_KEY, REWARD_TIMEOUTS, load_reward, reward_timeout
+from sparrow.reward_shapes import REWARD_ERROR_REASONS as REASONS
 from sparrow.reward_shapes import RewardCaller, RewardInput, Signature
 
 log = logging.getLogger("sparrow.trainer.rewards")

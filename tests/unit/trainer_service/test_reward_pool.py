@@ -75,6 +75,21 @@ def test_builtin_rewards_in_the_pool():
         pool.close()
 
 
+def test_a_reward_worker_imports_what_its_reward_needs_and_not_torch(tmp_path):
+    # Each worker is a spawned interpreter: whatever the pool's own modules import, every worker imports again
+    # (torch was about 2 s of CPU and 200 MB a worker, paid by every trainer start for rewards that need none).
+    path = tmp_path / "probe_rewards.py"
+    path.write_text("import sys\n\ndef torch_loaded(response, ground_truth, extras):\n"
+                    "    return float('torch' in sys.modules)\n")  # fmt: skip
+    pool = RewardPool(workers=1, timeout_s=30.0, preload=("chain",))
+    try:
+        assert pool.submit(f"{path}:torch_loaded", "x", "x", {}).result(timeout=120).score == 0.0
+        assert pool.submit("chain", "1 a b ; \\boxed{ b }", "b", {}).result(timeout=120).score == 1.0
+        assert pool.submit(f"{path}:torch_loaded", "x", "x", {}).result(timeout=120).score == 0.0
+    finally:
+        pool.close()
+
+
 def test_unknown_or_unimportable_rewards_are_one_line(tmp_path, user_file):
     (tmp_path / "broken.py").write_text("import not_a_module_anywhere\n")
     for name, message in [
