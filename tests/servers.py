@@ -25,15 +25,16 @@ from pathlib import Path
 
 import pytest
 
+from services.common import free_ports
+
 START_TIMEOUT_S = 30.0
 STOP_GRACE_S = 10.0
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on 127.0.0.1 now and reserved for this test (`services.common.free_ports`: not one a
+    client's connection may take before the test's server binds it)."""
+    return free_ports.free_port()
 
 
 def require_binary(name: str) -> str:

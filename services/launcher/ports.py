@@ -1,13 +1,13 @@
-"""The cluster's loopback ports: fixed ones checked before anything starts, the rest picked free."""
+"""The cluster's loopback ports: fixed ones checked before anything starts, the rest picked free and reserved
+(`services.common.free_ports`: below the ephemeral range, so no client's connection takes one before its service
+binds it)."""
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass, replace
 
+from services.common.free_ports import HOST, free_port, port_in_use
 from services.launcher.config import UpConfig
-
-HOST = "127.0.0.1"
 
 
 class PortError(ValueError):
@@ -38,26 +38,6 @@ class Ports:
         if self.sandbox:
             jobs["sandbox"] = [f"{HOST}:{self.sandbox}"]
         return jobs
-
-
-def port_in_use(port: int, host: str = HOST) -> bool:
-    """True when `port` cannot be bound on `host` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
-
-
-def _free_port(taken: set[int]) -> int:
-    # The OS picks; a port already handed to another service of this run is skipped.
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((HOST, 0))
-            port = s.getsockname()[1]
-        if port not in taken:
-            return port
 
 
 def allocate(config: UpConfig) -> Ports:
@@ -91,7 +71,7 @@ def allocate(config: UpConfig) -> Ports:
     chosen = {}
     for owner, port in wanted.items():
         if not port:
-            port = _free_port(taken)
+            port = free_port(taken)
             taken.add(port)
         chosen[owner] = port
     return Ports(
@@ -114,7 +94,7 @@ def with_sandbox_port(ports: Ports, fixed: int) -> Ports:
     taken |= set(ports.generator_metrics) | set(ports.generator_control)
     taken.discard(0)
     if not fixed:
-        return replace(ports, sandbox=_free_port(taken))
+        return replace(ports, sandbox=free_port(taken))
     if fixed in taken:
         raise PortError(f"port {fixed} is configured for both the sandbox and another service of the run")
     if port_in_use(fixed):

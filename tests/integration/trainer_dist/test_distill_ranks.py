@@ -6,13 +6,14 @@ step), the same exact alpha per token (1e-5), loss, adapter loss and probe; no g
 computed or reduced during the adapter's step; a 2-rank DCP checkpoint with the adapter resumes on 1."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("distill_worker.py")
@@ -22,18 +23,12 @@ pytestmark = pytest.mark.slow
 ADAPTER_ABS = 1e-5  # 1% of one AdamW step at the adapter's lr 1e-3 (see the module's docstring)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(out: Path, ranks: int, *extra: str) -> dict:
     cmd = [sys.executable, str(WORKER), str(out), *extra]
     if ranks > 1:
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), str(out), *extra,
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(out), *extra,
         ]  # fmt: skip
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=_env())
     assert r.returncode == 0, r.stderr[-4000:]

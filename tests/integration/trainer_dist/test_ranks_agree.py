@@ -2,7 +2,6 @@
 running): parameters equal within 1e-5 relative, the reported loss, alpha and p5 equal."""
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.servers import free_port
+
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("steps_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(out: Path, ranks: int, *extra: str) -> dict:
@@ -25,7 +20,7 @@ def _run(out: Path, ranks: int, *extra: str) -> dict:
     if ranks > 1:
         env_cmd = [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(WORKER), str(out), *extra,
+            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(WORKER), str(out), *extra,
         ]  # fmt: skip
     r = subprocess.run(env_cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
