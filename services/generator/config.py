@@ -96,7 +96,11 @@ class EngineConfig(ConfigSection):
     policy_version: int = Field(
         0, ge=0, description="Reference engine only: version number of the starting checkpoint (vLLM starts at 0)."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field("auto", description="Weights and KV dtype.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights and KV dtype. auto: the checkpoint's on an accelerator (vLLM's choice); on CPU bfloat16 "
+        "only where the CPU computes it natively (AVX512-BF16, AMX), else float32.",
+    )
     max_num_seqs: int = Field(256, ge=1, description="Sequences the engine batches at once.")
     max_model_len: int = Field(40960, ge=16, description="Longest sequence (prompt + response) in tokens.")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="Share of accelerator memory vLLM may use.")

@@ -25,6 +25,20 @@ def _cuda() -> bool:
     return current_platform.is_cuda()
 
 
+def cpu_auto_dtype() -> str:
+    """What `engine.dtype = "auto"` means for a vLLM engine on CPU: bfloat16 where the CPU multiplies bf16 natively
+    (AVX512-BF16 or AMX), float32 elsewhere.
+
+    vLLM alone would take bf16 on any CPU. Without native bf16 its oneDNN linear layers cannot be built (it falls
+    back to torch's emulated bf16 matmul) and every bf16 KV page is widened to float32 before use. On a 2-core AVX2
+    machine, models/long at 8K, 4 groups of 4: dense rollouts ran at 393 tokens/s in bf16 against 462 in float32,
+    speculative ones (whose verify multiplies k + 1 tokens a row) at 339 against 539: 0.86x dense against 1.17x."""
+    import torch
+
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return "bfloat16" if amx or torch.cpu._is_avx512_bf16_supported() else "float32"
+
+
 def build_engine(config: GeneratorConfig) -> RolloutEngine:
     """The engine the config asks for, loaded and ready."""
     e = config.engine
@@ -63,7 +77,7 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
         return VllmEngine(
             VllmEngineConfig(
                 model=e.model_dir,
-                dtype=e.dtype,
+                dtype=cpu_auto_dtype() if e.dtype == "auto" and not cuda else e.dtype,
                 max_model_len=e.max_model_len,
                 max_num_seqs=e.max_num_seqs,
                 gpu_memory_utilization=e.gpu_memory_utilization,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services.generator.main import cpu_auto_dtype
 from sparrow import metrics_contract as mc
 from sparrow.schedule import Schedule
 from tests.integration.generator.harness import SMALL, TINY, group
@@ -29,6 +30,8 @@ def test_vllm_generator_serves_groups_applies_schedules_and_loads_policies(start
         }
     )
     trainer.wait_for(lambda: h.service.serving.schedule_version == 1, 120, "v1 applied")
+    # dtype "auto" on CPU: bf16 only where the CPU computes it natively, else float32 (services.generator.main)
+    assert h.service.engine.config.dtype == cpu_auto_dtype()
     for i in range(2):
         h.enqueue(group(f"a{i}", n=2, max_new_tokens=30, pairs=20, seed=i))
     h.wait_settled({"a0": 2, "a1": 2})

@@ -105,3 +105,17 @@ def test_bad_values_are_one_line_errors(override, message):
 def test_speculative_decode_is_a_vllm_engine_setting_too():
     config = load_config(GeneratorConfig, overrides={"engine.decode": "speculative", "engine.speculative_tokens": 4})
     assert (config.engine.kind, config.engine.decode, config.engine.speculative_tokens) == ("vllm", "speculative", 4)
+
+
+@pytest.mark.parametrize(
+    ("avx512_bf16", "amx", "want"),
+    [(False, False, "float32"), (True, False, "bfloat16"), (False, True, "bfloat16")],
+)
+def test_auto_dtype_on_cpu_is_bf16_only_where_the_cpu_computes_it(monkeypatch, avx512_bf16, amx, want):
+    import torch
+
+    from services.generator.main import cpu_auto_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert cpu_auto_dtype() == want
