@@ -23,6 +23,7 @@ from pathlib import Path
 HOST = "127.0.0.1"
 LOWEST = 15000  # below: the well-known and commonly configured service ports
 RESERVE_S = 600.0  # a service binds its port well within this after the pick
+PRUNE_CHANCE = 0.02  # one pick in 50 also deletes the stale reservations (a folder never grows past the ports in use)
 EPHEMERAL_DEFAULT = (32768, 60999)
 
 _random = random.Random()  # seeded from os.urandom: processes started together pick differently
@@ -59,6 +60,8 @@ def free_port(taken: set[int] | frozenset[int] = frozenset(), host: str = HOST, 
 
         base = cache_folder()
         folder = None if base is None else base / "ports"
+    if folder is not None and _random.random() < PRUNE_CHANCE:
+        prune(folder)
     span = low - LOWEST
     if span >= 1000:
         start = _random.randrange(span)  # from a random port on, every port of the range once
@@ -74,6 +77,24 @@ def free_port(taken: set[int] | frozenset[int] = frozenset(), host: str = HOST, 
             port = s.getsockname()[1]
         if port not in taken:
             return port
+
+
+def prune(folder: Path) -> int:
+    """Delete the reservations older than RESERVE_S in `folder`; how many went."""
+    gone = 0
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return 0
+    now = time.time()
+    for path in entries:
+        try:
+            if now - path.stat().st_mtime >= RESERVE_S:
+                path.unlink()
+                gone += 1
+        except OSError:
+            pass  # another process pruned or took it over first
+    return gone
 
 
 def _reserve(folder: Path | None, port: int) -> bool:

@@ -88,3 +88,14 @@ def test_a_port_in_use_is_passed_over(tmp_path, monkeypatch):
         busy.bind(("127.0.0.1", port))
         (tmp_path / str(port)).unlink()
         assert free_port(folder=tmp_path) >= low
+
+
+def test_stale_reservations_are_pruned_now_and_then(tmp_path, monkeypatch):
+    stale = time.time() - free_ports.RESERVE_S - 1
+    for port in (16001, 16002, 16003):
+        (tmp_path / str(port)).touch()
+        os.utime(tmp_path / str(port), (stale, stale))
+    (tmp_path / "16004").touch()  # fresh: kept
+    monkeypatch.setattr(free_ports, "PRUNE_CHANCE", 1.0)
+    port = free_port(folder=tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"16004", str(port)}
