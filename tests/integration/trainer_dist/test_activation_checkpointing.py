@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.trainer_dist.test_ranks_agree import _free_port
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("checkpointing_worker.py")
@@ -19,7 +19,7 @@ def test_checkpointed_layers_give_the_same_gradients_under_fsdp2(tmp_path):
     out = tmp_path / "out.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port()), str(WORKER), str(out),
+        "--master-port", str(free_port()), str(WORKER), str(out),
     ]  # fmt: skip
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=_env())
     assert r.returncode == 0, r.stderr[-4000:]
