@@ -61,7 +61,7 @@ hold_s = 0.5
 min_drafts = 500
 [prometheus]
 url = "{prom_url}"
-window_s = 2
+window_s = 3
 max_age_s = 5
 timeout_s = 2
 [redis]
@@ -122,8 +122,12 @@ def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop
                 wait_until(lambda: r.get(mc.SCHEDULE_KEY) is not None, 30, "controller published its initial schedule")
                 first = _settle(r, GOOD, 60, "first convergence")
                 assert first[-1] < START[-1]  # cheaper drafts paid in the long bins
-                status = httpx.get(f"{api}/status").json()
-                assert status["mode"] == "lossless" and not status["blind"]
+                # One tick can be blind on a loaded machine: a late scrape leaves increase() one sample in the window.
+                seen = {}
+                wait_until(lambda: not seen.update(httpx.get(f"{api}/status").json()) and not seen["blind"], 15,
+                           "controller reads the drafts")  # fmt: skip
+                status = seen
+                assert status["mode"] == "lossless"
                 assert status["predicted_speedup"] is not None and status["predicted_speedup"] > 1
                 fresh = [b for b in status["bins"] if b["state"] in ("fresh", "confirming")]
                 assert fresh and all(abs(b["estimate"] - GOOD[b["bin"]](b["budget"])) < 0.01 for b in fresh), fresh
