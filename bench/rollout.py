@@ -42,6 +42,8 @@ class RolloutBenchResult:
     alpha_tokens_per_bin: dict[str, int] = field(default_factory=dict)
     # With speculative_tokens > 0: a second engine decodes the same prompts losslessly (plugin.self_draft).
     speculative: dict = field(default_factory=dict)
+    # The cost model against the measurement: its predicted speedup, and the step overhead that explains the gap.
+    cost: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -165,10 +167,47 @@ def run_rollout_bench(
         dense_layers=sorted(schedule.dense_layers),
         speculative=speculative,
     )
+    result.cost = cost_against_measured(model, schedule, prompt_len, dense, result.speedup, speculative)
     if check_alpha:
         say("bench rollout: scoring the sparse tokens densely (--check-alpha)")
         result.alpha_p5_per_bin, result.alpha_tokens_per_bin = _alpha_tail(model, sparse, schedule)
     return result
+
+
+def cost_against_measured(
+    model: str, schedule: Schedule, prompt_len: int, dense: list[FinishedSample], measured: float, speculative: dict
+) -> dict:
+    """The cost model at the bench's shape (this machine's hardware, the schedule's dense layers priced dense)
+    beside the measured sparse speedup: the paper's terms alone, the step overhead (multiples of 2P) that
+    makes them predict the measurement (`sparrow.cost.implied_step_overhead`; the controller's
+    `cost.step_overhead`), and with it the speculative speedup at the measured acceptance.
+
+    The generation length priced is the mean of the dense run's; {"error": ...} where the cost model has no
+    figures for this machine or model."""
+    from sparrow.cost import implied_step_overhead, predict, predict_speculative
+    from sparrow.hardware import HardwareError, get_hardware
+    from sparrow.models import ModelSpecError, resolve_model
+
+    gen_len = max(1, round(sum(len(s.token_ids) for s in dense) / max(1, len(dense))))
+    try:
+        spec, hardware = resolve_model(model), get_hardware("auto")
+    except (ModelSpecError, HardwareError) as exc:
+        return {"error": str(exc)}
+    paper = predict(spec, schedule, hardware, prompt_len, gen_len, max(1, len(dense)), price_dense_layers=True)
+    overhead = implied_step_overhead(spec, paper, measured)
+    out = {
+        "hardware": hardware.name,
+        "gen_len_priced": gen_len,
+        "paper_speedup": paper.speedup,
+        "measured_speedup": measured,
+        "implied_step_overhead": overhead,
+    }
+    acceptance = speculative.get("acceptance")
+    if overhead is not None and acceptance is not None:
+        priced = predict(spec, schedule, hardware, prompt_len, gen_len, len(dense), True, overhead)
+        out["speculative_predicted"] = predict_speculative(priced, speculative["speculative_tokens"], acceptance).speedup
+        out["speculative_measured"] = speculative["ratio_to_dense"]
+    return out
 
 
 def _speculative(engine, schedule, prompts, gen_len, greedy, dense_greedy, dense_rate, say) -> dict:

@@ -14,6 +14,13 @@ What it leaves out (as the paper does): weight reads, sampling, scheduling and l
 therefore predicts more than measured: at tau 0.86, prompt 512, 32768 generated, 8 samples on an
 H200 it gives 4.35x / 3.81x / 3.73x / 2.62x for Qwen3 1.7B / 4B / 8B / 14B, where the paper measured
 2.21x / 2.41x / 2.06x / 1.49x end to end; the ordering by size is what it gets right.
+
+Those left-out costs can be priced back as one measured figure, the step overhead: what a decode
+forward costs per sequence beyond the paper's terms, in multiples of the weights' FLOPs 2P, paid once
+per forward (a draft step, a dense step and a verify over k + 1 positions alike). 0, the default, is
+the paper's model. `implied_step_overhead` solves it from a measured sparse/dense decode rate
+(`sparrow bench rollout` reports it): where attention is not most of a step, as on a CPU with a
+small model, the paper's terms alone make sparse drafts look several times cheaper than they are.
 """
 
 from __future__ import annotations
@@ -166,6 +173,8 @@ class CostPrediction:
     sparse: CostTerms
     mean_kept_tokens: float  # KV tokens attended per generated position, averaged, under the schedule
     dense_layers_priced: int  # layers priced as dense in the sparse run (0: the paper's model)
+    step_overhead: float = 0.0  # per sequence and forward, in multiples of 2P (0: the paper's model)
+    overhead: float = 0.0  # eFLOPs of the step overhead over the rollout (in both runs' compute)
 
     @property
     def speedup(self) -> float:
@@ -181,20 +190,27 @@ def predict(
     gen_len: int,
     samples: int,
     price_dense_layers: bool = False,
+    step_overhead: float = 0.0,
 ) -> CostPrediction:
     """Dense and scheduled-sparse eFLOPs for `samples` rollouts of `gen_len` tokens after a `prompt_len` prompt.
 
     P is the model's total parameter count. By default, like the paper, every layer is priced as
     sparse; `price_dense_layers` prices the schedule's dense layers with the dense terms instead.
-    Weight reads are ignored, as in the paper (a large decode batch amortises them).
+    Weight reads are ignored, as in the paper (a large decode batch amortises them), unless
+    `step_overhead` prices them and the engine's other per-forward work (see the module doc): every
+    generated token of both runs then pays step_overhead * 2P more compute.
     """
     for key, value, least in (("prompt_len", prompt_len, 0), ("gen_len", gen_len, 1), ("samples", samples, 1)):
         if not isinstance(value, int) or value < least:
             raise ValueError(f"{key} must be an integer >= {least}, got {value!r}")
+    _check_overhead(step_overhead)
     mem_weight = hardware.flops_per_byte * hardware.bytes_per_element
     args = (model.params, samples, prompt_len, gen_len, model.kv_dim, model.gqa_ratio, mem_weight)
     dense_layers = sum(1 for layer in schedule.dense_layers if layer < model.num_layers) if price_dense_layers else 0
     dense_kv_dim = dense_layers * model.num_kv_heads * model.head_dim
+    overhead = step_overhead * 2 * model.params * samples * gen_len
+    dense = dense_cost(*args)
+    sparse = scheduled_sparse_cost(*args, schedule=schedule, dense_kv_dim=dense_kv_dim)
     return CostPrediction(
         model=model.name,
         schedule=schedule.name or "(unnamed)",
@@ -204,11 +220,33 @@ def predict(
         samples=samples,
         flops_per_byte=hardware.flops_per_byte,
         bytes_per_element=hardware.bytes_per_element,
-        dense=dense_cost(*args),
-        sparse=scheduled_sparse_cost(*args, schedule=schedule, dense_kv_dim=dense_kv_dim),
+        dense=CostTerms(dense.compute + overhead, dense.memory),
+        sparse=CostTerms(sparse.compute + overhead, sparse.memory),
         dense_layers_priced=dense_layers,
         mean_kept_tokens=mean_kept_tokens(schedule, prompt_len, gen_len),
+        step_overhead=step_overhead,
+        overhead=overhead,
     )
+
+
+def _check_overhead(step_overhead: float) -> None:
+    if not (isinstance(step_overhead, (int, float)) and 0 <= step_overhead < float("inf")):
+        raise ValueError(f"step_overhead must be a finite number >= 0, got {step_overhead!r}")
+
+
+def implied_step_overhead(model: ModelSpec, prediction: CostPrediction, measured_speedup: float) -> float | None:
+    """The step overhead (multiples of 2P) at which `prediction` gives the `measured_speedup` of sparse over
+    dense decoding: the overhead O solving (D + O) / (S + O) = measured, D and S its paper terms.
+
+    0 when the paper's terms alone predict no more than measured; None when the measured speedup is not
+    above 1 (no per-forward cost explains a sparse run that is not faster, nor prices one).
+    """
+    if not measured_speedup > 1:
+        return None
+    dense = prediction.dense.total - prediction.overhead
+    sparse = prediction.sparse.total - prediction.overhead
+    per_token = 2 * model.params * prediction.samples * prediction.gen_len
+    return max(0.0, (dense - measured_speedup * sparse) / (measured_speedup - 1) / per_token)
 
 
 @dataclass(frozen=True)
@@ -228,12 +266,13 @@ def predict_speculative(prediction: CostPrediction, k: int, alpha: float) -> Spe
 
     E = (1 - alpha^(k+1)) / (1 - alpha) tokens per cycle. A sparse step costs what the schedule's
     sparse decode costs at that position; the verify is a dense step over k + 1 query positions: its
-    compute (weights and attention FLOPs) k + 1 times a dense step's, its KV read once. Both summed over
-    the generated positions, like the costs they come from; drafts past a rejection are priced as paid.
+    compute (weights and attention FLOPs) k + 1 times a dense step's, its KV read and its step overhead
+    once. Both summed over the generated positions, like the costs they come from; drafts past a
+    rejection are priced as paid.
     """
     e = expected_tokens(alpha, k)
     d, s = prediction.dense, prediction.sparse
-    verify = CostTerms((k + 1) * d.compute, d.memory)
+    verify = CostTerms((k + 1) * (d.compute - prediction.overhead) + prediction.overhead, d.memory)
     cost = CostTerms((k * s.compute + verify.compute) / e, (k * s.memory + verify.memory) / e)
     return SpeculativePrediction(k, alpha, e, verify, cost, d.total / cost.total)
 
@@ -246,6 +285,7 @@ def decode_step_cost(
     page_size: int = PAGE_SIZE,
     dense_layers: int = 0,
     queries: int = 1,
+    step_overhead: float = 0.0,
 ) -> CostTerms:
     """One sequence's decode step at KV length `kv_len`, in eFLOPs: `queries` positions over one KV read.
 
@@ -254,10 +294,12 @@ def decode_step_cost(
     the sparse layers' part D_s pays 2rD_s B + rD_s L / page of compute (the pages' centroid scores
     included) and 2D_s B + D_s L / page of memory, while the `dense_layers` part D_d pays the dense
     terms. `queries` > 1 is a verify pass: its compute `queries` times one step's, its KV read once.
-    A budget of 0, or one at least `kv_len`, is dense.
+    A budget of 0, or one at least `kv_len`, is dense. `step_overhead` (multiples of 2P) is paid once
+    per forward, whatever the queries (see the module doc).
     """
     if kv_len < 1 or budget < 0 or queries < 1:
         raise ValueError(f"kv_len and queries must be >= 1 and budget >= 0, got {kv_len}, {queries}, {budget}")
+    _check_overhead(step_overhead)
     r, d = model.gqa_ratio, model.kv_dim
     d_dense = min(dense_layers, model.num_layers) * model.num_kv_heads * model.head_dim
     if budget == 0 or budget >= kv_len:
@@ -265,7 +307,8 @@ def decode_step_cost(
     d_sparse = d - d_dense
     compute = 2 * model.params + 2 * r * d_dense * kv_len + d_sparse * (2 * r * budget + r * kv_len / page_size)
     memory = 2 * d_dense * kv_len + d_sparse * (2 * budget + kv_len / page_size)
-    return CostTerms(queries * compute, hardware.flops_per_byte * hardware.bytes_per_element * memory)
+    overhead = step_overhead * 2 * model.params
+    return CostTerms(queries * compute + overhead, hardware.flops_per_byte * hardware.bytes_per_element * memory)
 
 
 def speculative_step_speedup(
@@ -277,15 +320,18 @@ def speculative_step_speedup(
     alpha: float,
     page_size: int = PAGE_SIZE,
     dense_layers: int = 0,
+    step_overhead: float = 0.0,
 ) -> float:
     """Tokens per eFLOP of self-speculative decoding at KV length `kv_len` over dense decoding's, at one point.
 
     A cycle is k draft steps at `budget` and one dense verify over k + 1 positions, and emits
     (1 - alpha^(k+1)) / (1 - alpha) tokens on average; dense decoding emits one token a step. Above
     1 the draft budget pays at this length; the lossless controller picks, per bin, the budget that
-    maximises it (its acceptance as measured there).
+    maximises it (its acceptance as measured there). `step_overhead`: each forward's cost beyond the
+    paper's terms, in multiples of 2P (module doc).
     """
-    dense = decode_step_cost(model, hardware, kv_len, 0).total
-    draft = decode_step_cost(model, hardware, kv_len, budget, page_size, dense_layers).total
-    verify = decode_step_cost(model, hardware, kv_len, 0, queries=k + 1).total
+    o = step_overhead
+    dense = decode_step_cost(model, hardware, kv_len, 0, step_overhead=o).total
+    draft = decode_step_cost(model, hardware, kv_len, budget, page_size, dense_layers, step_overhead=o).total
+    verify = decode_step_cost(model, hardware, kv_len, 0, queries=k + 1, step_overhead=o).total
     return expected_tokens(alpha, k) * dense / (k * draft + verify)

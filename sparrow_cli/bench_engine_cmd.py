@@ -157,6 +157,14 @@ def run_engine_bench(args: argparse.Namespace) -> int:
                 f"{s['tokens_per_cycle']:.2f} tokens a cycle\n"
                 f"  greedy speculative identical to dense over {s['greedy_tokens_compared']} tokens: {same}"
             )
+        if (c := d["cost"]) and "error" not in c:
+            overhead = c["implied_step_overhead"]
+            line = f"  cost model ({c['hardware']}): paper's terms {c['paper_speedup']:.2f}x sparse"
+            if overhead is not None:
+                line += f"; measured with a step overhead of {overhead:.1f} x 2P per forward (controller cost.step_overhead)"
+            if "speculative_predicted" in c:
+                line += f", which predicts speculative {c['speculative_predicted']:.2f}x"
+            print(line)
     else:
         print(
             f"parity over {d['tokens']} generated tokens ({d['sparse_tokens']} decoded sparsely, mean attended KV "

@@ -22,6 +22,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="price the schedule's dense layers as dense (the paper prices every layer as sparse)",
     )
     p.add_argument(
+        "--step-overhead",
+        type=float,
+        default=0.0,
+        help="a decode forward's cost per sequence beyond the paper's terms, in multiples of 2P (default 0, the "
+        "paper's model; `sparrow bench rollout` measures it as cost.implied_step_overhead)",
+    )
+    p.add_argument(
         "--speculative-tokens",
         type=int,
         default=0,
@@ -52,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     ):
         if value < least:
             raise CliError(f"{flag} must be >= {least}, got {value}")
+    if not 0 <= args.step_overhead < float("inf"):
+        raise CliError(f"--step-overhead must be a finite number >= 0, got {args.step_overhead}")
     k, alpha = args.speculative_tokens, args.alpha
     if (alpha is None) != (k == 0):
         raise CliError("--speculative-tokens and --alpha go together (the speculative prediction needs both)")
@@ -64,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
         schedule = resolve_schedule(args.schedule)
         hardware = get_hardware(args.hardware)
         result = predict(
-            model, schedule, hardware, args.prompt_len, args.gen_len, args.samples, args.price_dense_layers
-        )
+            model, schedule, hardware, args.prompt_len, args.gen_len, args.samples, args.price_dense_layers,
+            args.step_overhead,
+        )  # fmt: skip
     except (ModelSpecError, ScheduleError, HardwareError) as exc:
         raise CliError(str(exc)) from None
     spec = predict_speculative(result, k, alpha) if k else None
@@ -88,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
                 "gen_len": args.gen_len,
                 "samples": args.samples,
                 "dense_layers_priced": result.dense_layers_priced,
+                "step_overhead": result.step_overhead,
                 "dense": {"compute": result.dense.compute, "memory": result.dense.memory, "total": result.dense.total},
                 "sparse": {
                     "compute": result.sparse.compute,
@@ -110,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"prompt {args.prompt_len}, generated {args.gen_len}, samples {args.samples}; "
         f"mean kept KV {result.mean_kept_tokens:.0f} tokens"
+        + (f"; step overhead {result.step_overhead:g} x 2P per forward" if result.step_overhead else "")
     )
     rows = [
         [side, f"{c.compute:.3e}", f"{c.memory:.3e}", f"{c.total:.3e}"]

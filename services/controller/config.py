@@ -199,6 +199,14 @@ class CostConfig(ConfigSection):
     prompt_len: int = Field(512, ge=0, description="Prompt tokens.")
     gen_len: int = Field(32768, ge=1, description="Generated tokens per sample.")
     samples: int = Field(8, ge=1, description="Samples per prompt.")
+    step_overhead: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="What a decode forward costs per sequence beyond the paper's terms (weight reads, sampling, the "
+        "engine's own work), in multiples of the weights' FLOPs 2P; 0 prices as the paper does. Measure it: "
+        "`sparrow bench rollout` reports `cost.implied_step_overhead` for the engine, batch and length it ran.",
+    )
 
 
 class ProbeConfig(ConfigSection):

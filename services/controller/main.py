@@ -38,7 +38,8 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
         raise SetupError(f"retune.budget_quantum is not a multiple of the schedule's page size {initial.page_size}")
 
     def speedup_of(schedule):
-        return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples).speedup
+        return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples,
+                       step_overhead=cost.step_overhead).speedup  # fmt: skip
 
     p = config.prometheus
     r = config.retune
@@ -54,7 +55,8 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
             return predict_speculative(predict_schedule(schedule), config.lossless.speculative_tokens, alpha).speedup
 
         def predict_schedule(schedule):
-            return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples)
+            return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples,
+                           step_overhead=cost.step_overhead)  # fmt: skip
 
         source = DraftSource(p.url, p.window_s, p.timeout_s, p.max_age_s)
         return ControlLoop(config, publisher, source, initial, speculative_speedup_of, retuner=retuner)
@@ -66,7 +68,8 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
 
 
 def lossless_retuner(config: ControllerConfig, model, hardware):
-    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length."""
+    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length (with the
+    configured step overhead: without it a CPU's drafts look several times cheaper than they are)."""
     from services.controller.lossless import LosslessRetuner
     from sparrow.cost import speculative_step_speedup
 
@@ -80,7 +83,8 @@ def lossless_retuner(config: ControllerConfig, model, hardware):
         if budget >= kv:  # the draft reads the whole KV: it is the dense policy
             alpha = 1.0
         dense_layers = sum(1 for layer in schedule.dense_layers if layer < model.num_layers)
-        return speculative_step_speedup(model, hardware, max(kv, 1), budget, k, alpha, schedule.page_size, dense_layers)
+        return speculative_step_speedup(model, hardware, max(kv, 1), budget, k, alpha, schedule.page_size, dense_layers,
+                                        config.cost.step_overhead)  # fmt: skip
 
     return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain)
 

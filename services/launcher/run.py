@@ -58,6 +58,8 @@ def speedup_function(plan: RunPlan):
     from sparrow.schedule import Schedule
 
     t = plan.children.trainer
+    c = plan.children.controller
+    overhead = c.cost.step_overhead if c is not None else 0.0  # the controller's pricing, as it reports it
     cache: dict = {}
 
     def speedup_of(schedule: dict | None) -> float | None:
@@ -68,7 +70,8 @@ def speedup_function(plan: RunPlan):
                 cache["spec"] = (resolve_model(str(plan.model_dir)), get_hardware(plan.up.cost_hardware))
             model, hardware = cache["spec"]
             s = Schedule.from_dict(schedule)
-            return predict(model, s, hardware, prompt_tokens(t), t.sampling.max_new_tokens, t.sampling.n).speedup
+            return predict(model, s, hardware, prompt_tokens(t), t.sampling.max_new_tokens, t.sampling.n,
+                           step_overhead=overhead).speedup  # fmt: skip
         except (ValueError, OSError) as exc:  # an unknown model shape or hardware: the view shows "-"
             log.warning("no predicted speedup: %s", exc)
             return None

@@ -26,6 +26,11 @@ def test_dense_then_sparse_rollouts_of_the_same_batch_with_progress_shown():
     # Layers 0-1 whole; at 16-56 tokens of KV the sparse layers' budget (at least 64) covers the context too.
     assert d["attended_kv_fraction"] == 1.0
     assert d["speculative"] == {} and d["prompts"] == "random"
+    # The cost model beside the measurement: every position attended whole, so the paper's terms predict 1.0x and no
+    # step overhead explains a measured ratio (none above 1, 0 at or above it).
+    c = d["cost"]
+    assert c["paper_speedup"] == 1.0 and c["gen_len_priced"] == 40 and c["measured_speedup"] == d["speedup"]
+    assert c["implied_step_overhead"] == (None if d["speedup"] <= 1 else 0.0)
 
 
 def test_speculative_rollouts_of_the_models_task_are_lossless_and_counted(tmp_path):
@@ -46,6 +51,13 @@ def test_speculative_rollouts_of_the_models_task_are_lossless_and_counted(tmp_pa
     assert s["speculative_identical_to_dense"] and s["greedy_first_difference"] == [None, None]
     assert 0 < s["acceptance"] < 1 and 1 <= s["tokens_per_cycle"] <= 5 and s["cycles"] > 0
     assert s["tokens_per_s"] > 0 and abs(s["ratio_to_dense"] - s["tokens_per_s"] / d["dense_tokens_per_s"]) < 1e-9
+    c = d["cost"]
+    assert c["paper_speedup"] > 0 and c["measured_speedup"] == d["speedup"]
+    if c["implied_step_overhead"] is None:  # the sparse run was not faster: nothing to calibrate
+        assert d["speedup"] <= 1 and "speculative_predicted" not in c
+    else:
+        assert c["implied_step_overhead"] >= 0 and c["speculative_predicted"] > 0
+        assert c["speculative_measured"] == s["ratio_to_dense"]
 
 
 def test_a_model_of_ones_own_needs_its_schedule_named():

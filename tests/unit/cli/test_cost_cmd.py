@@ -119,3 +119,22 @@ def test_cost_predicts_speculative_decoding_from_k_and_alpha():
         r = sparrow(*BASE, *bad)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and fragment in lines[0], r.stderr
+
+
+def test_cost_with_a_measured_step_overhead():
+    from sparrow.cost import predict, predict_speculative
+    from sparrow.hardware import get_hardware
+    from sparrow.models import get_model
+    from sparrow.presets import get_preset
+
+    args = [*BASE, "--step-overhead", "2.5", "--speculative-tokens", "6", "--alpha", "0.97"]
+    data = json.loads(sparrow(*args, "--json").stdout)
+    priced = predict(get_model("qwen3-4b"), get_preset("qwen3-4b-0.86"), get_hardware("h200"), 512, 32768, 8,
+                     step_overhead=2.5)  # fmt: skip
+    assert data["step_overhead"] == 2.5 and data["speedup"] == pytest.approx(priced.speedup)
+    assert data["speculative"]["speedup"] == pytest.approx(predict_speculative(priced, 6, 0.97).speedup)
+    assert "step overhead 2.5 x 2P per forward" in sparrow(*args).stdout
+    for bad in ("-1", "nan", "inf"):
+        r = sparrow(*BASE, "--step-overhead", bad)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and "--step-overhead must be a finite number >= 0" in lines[0]

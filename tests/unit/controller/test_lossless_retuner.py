@@ -136,3 +136,29 @@ def test_the_gain_model_prices_drafts_and_the_verify():
 def test_lossless_mode_refuses_probes():
     with pytest.raises(ValueError, match="lossless"):
         ControllerConfig.model_validate({"mode": "lossless", "probe": {"enabled": True}})
+
+
+def test_a_step_overhead_prices_drafts_dearer_and_keeps_budgets_where_they_pay():
+    """Where attention is a small part of a step (a CPU, a small model), the paper's terms alone make drafts look
+    several times cheaper than they are; with the measured step overhead the best budget is a larger one."""
+    from sparrow.hardware import Hardware
+
+    model, cpu = resolve_model("models/long"), Hardware("cpu-like", 9e10, 1.9e10, 4, "a 2-core CPU's order")
+    s = Schedule(budgets=(512,) * 8, bin_width=1024, dense_layers=(0, 1))
+
+    def curve(b):  # rejections shrink by 0.6 per doubling: 0.987 at 512, as models/long's drafts at 8K
+        return 1 - 0.013 * 0.6 ** math.log2(b / 512)
+
+    def retuner(overhead):
+        cfg = {"mode": "lossless", "lossless": {"speculative_tokens": 6}, "cost": {"step_overhead": overhead}}
+        return lossless_retuner(ControllerConfig.model_validate(cfg), model, cpu)
+
+    paper, priced = retuner(0.0), retuner(200.0)
+    budgets = [64, 128, 256, 512, 1024, 2048, 4096]
+
+    def best(r):
+        return max(budgets, key=lambda b: r.gain(s, 7, b, curve(b)))
+
+    assert best(paper) == 256 and best(priced) == 512
+    for b in budgets:  # a fixed cost per forward brings every gain towards 1
+        assert 1 < priced.gain(s, 7, b, curve(b)) < paper.gain(s, 7, b, curve(b))

@@ -113,3 +113,44 @@ def test_speculative_cost_is_k_sparse_steps_and_one_wide_dense_verify_per_expect
     assert predict_speculative(base, 6, 1.0).tokens_per_cycle == 7
     assert predict_speculative(base, 6, 0.0).speedup < 1.0
     assert predict_speculative(base, 2, 0.99).speedup < predict_speculative(base, 8, 0.99).speedup
+
+
+def test_a_step_overhead_is_paid_once_per_forward_in_every_run():
+    from sparrow.cost import decode_step_cost, predict_speculative
+
+    m, s, hw = get_model("qwen3-1.7b"), get_preset("qwen3-1.7b-0.86"), get_hardware("h200")
+    base = predict(m, s, hw, 512, 32768, 8)
+    priced = predict(m, s, hw, 512, 32768, 8, step_overhead=3.0)
+    per_run = 3.0 * 2 * m.params * 8 * 32768  # every generated token of every sample, one forward each
+    assert priced.overhead == pytest.approx(per_run)
+    assert priced.dense.compute == pytest.approx(base.dense.compute + per_run)
+    assert priced.sparse.compute == pytest.approx(base.sparse.compute + per_run)
+    assert (priced.dense.memory, priced.sparse.memory) == (base.dense.memory, base.sparse.memory)
+    assert 1.0 < priced.speedup < base.speedup  # a fixed cost per token dilutes what sparse attention saves
+    # The verify runs k + 1 positions through one forward: their FLOPs k + 1 times, the overhead once.
+    spec = predict_speculative(priced, 6, 0.97)
+    assert spec.verify.compute == pytest.approx(7 * base.dense.compute + per_run)
+    one = decode_step_cost(m, hw, 8192, 0, step_overhead=3.0)
+    wide = decode_step_cost(m, hw, 8192, 0, queries=7, step_overhead=3.0)
+    assert wide.compute - 7 * (one.compute - 6 * m.params) == pytest.approx(6 * m.params)
+    with pytest.raises(ValueError, match="step_overhead"):
+        predict(m, s, hw, 512, 32768, 8, step_overhead=-1.0)
+    with pytest.raises(ValueError, match="step_overhead"):
+        decode_step_cost(m, hw, 8192, 0, step_overhead=float("nan"))
+
+
+def test_the_implied_step_overhead_reproduces_a_measured_speedup():
+    from sparrow.cost import implied_step_overhead
+
+    m, s, hw = get_model("qwen3-1.7b"), get_preset("qwen3-1.7b-0.86"), get_hardware("h200")
+    paper = predict(m, s, hw, 512, 32768, 8)
+    measured = 1.3  # well below the paper terms' prediction, as on a machine where attention is a small part
+    overhead = implied_step_overhead(m, paper, measured)
+    assert overhead > 0
+    assert predict(m, s, hw, 512, 32768, 8, step_overhead=overhead).speedup == pytest.approx(measured)
+    # Priced with an overhead already, the same measurement gives the same answer (the paper terms are solved).
+    again = predict(m, s, hw, 512, 32768, 8, step_overhead=overhead / 2)
+    assert implied_step_overhead(m, again, measured) == pytest.approx(overhead)
+    # At or above the paper's own prediction no overhead is implied; a sparse run no faster has no answer.
+    assert implied_step_overhead(m, paper, paper.speedup * 1.1) == 0.0
+    assert implied_step_overhead(m, paper, 1.0) is None and implied_step_overhead(m, paper, 0.8) is None
