@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import os
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,7 +52,11 @@ def list_hardware() -> list[str]:
 def detect_hardware() -> Hardware:
     """This machine's hardware: the preset of the first visible CUDA GPU, by its name, or this CPU measured.
 
-    HardwareError for a GPU without a preset (its figures would be guesses; name h200, h100 or cpu instead)."""
+    HardwareError for a GPU without a preset (its figures would be guesses; name h200, h100 or cpu instead).
+    A machine with no GPU device node at all is a CPU without asking torch, so a process that prices a run
+    there (the controller) need not import torch when the CPU's figures are kept (`probe_cpu`)."""
+    if "torch" not in sys.modules and not _accelerator_nodes():
+        return probe_cpu()
     import torch
 
     if not torch.cuda.is_available():
@@ -93,21 +98,59 @@ def probe_cpu(seconds: float = 1.0, reuse: bool = True) -> Hardware:
     PROBE_MAX_AGE_S is returned instead: every process of a run prices the same figures, and a run's
     start does not lose a second of both cores to each process's own measurement.
     """
-    import torch  # lazily: the presets above need no torch
-
     from sparrow import disk_cache
+
+    if reuse and "torch" not in sys.modules:  # the kept figures may be found without importing torch (2 s of CPU)
+        kept = _kept_probe(_probe_key_without_torch())
+        if kept is not None:
+            return kept
+    import torch  # lazily: the presets above need no torch
 
     key = {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__}
     if reuse:
-        kept = disk_cache.load("cpu-probe", key, PROBE_MAX_AGE_S)
+        kept = _kept_probe(key)
         if kept is not None:
-            try:
-                return Hardware(**kept)
-            except TypeError:  # written by another layout of Hardware: measure again
-                pass
+            return kept
     hw = _measure_cpu(seconds)
     disk_cache.store("cpu-probe", key, asdict(hw))
     return hw
+
+
+def _kept_probe(key: dict | None) -> Hardware | None:
+    from sparrow import disk_cache
+
+    kept = disk_cache.load("cpu-probe", key, PROBE_MAX_AGE_S) if key is not None else None
+    if kept is None:
+        return None
+    try:
+        return Hardware(**kept)
+    except TypeError:  # written by another layout of Hardware: measure again
+        return None
+
+
+def _probe_key_without_torch() -> dict | None:
+    """`probe_cpu`'s cache key as torch would make it in this process, where the environment fixes its thread count
+    (OMP_NUM_THREADS, as every process `sparrow up` starts has it); None where only torch can tell."""
+    from importlib import metadata
+
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", ""))
+        version = metadata.version("torch")
+    except (ValueError, metadata.PackageNotFoundError):
+        return None
+    if threads < 1:
+        return None
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "threads": threads, "torch": version}
+
+
+def _accelerator_nodes() -> bool:
+    """Whether this machine shows a GPU's device node: NVIDIA's /dev/nvidia*, AMD's /dev/kfd (what CUDA and ROCm
+    builds of torch open); a container given a GPU has them."""
+    dev = Path("/dev")
+    try:
+        return (dev / "kfd").exists() or any(p.name.startswith("nvidia") for p in dev.iterdir())
+    except OSError:
+        return True  # cannot tell: let torch decide
 
 
 def _cpu_model() -> str:

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -121,3 +122,32 @@ def test_auto_is_this_machines_hardware(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA A10G")
     with pytest.raises(HardwareError, match="no preset for the GPU 'NVIDIA A10G'"):
         get_hardware("auto")
+
+
+def test_a_process_without_torch_finds_the_kept_cpu_figures_without_importing_it(tmp_path):
+    """The controller prices `auto` hardware at start: on a machine with no GPU device node and OMP_NUM_THREADS set (as
+    `sparrow up` sets it for every child), the CPU's kept figures are found under the key torch would make, and torch
+    (2 s of CPU) is never imported; without the variable only torch can tell the thread count, and it is asked."""
+    import subprocess
+    import sys
+
+    from sparrow import hardware
+
+    script = (
+        "import sys, json; from sparrow.hardware import get_hardware; hw = get_hardware('auto'); "
+        "print(json.dumps([hw.peak_flops, 'torch' in sys.modules]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {"SPARROW_CACHE_DIR": str(tmp_path)}
+    keep = [sys.executable, "-c", "from sparrow.hardware import probe_cpu; probe_cpu(seconds=0.1)"]  # measures, keeps
+    subprocess.run(keep, env=env | {"OMP_NUM_THREADS": "1"}, check=True, timeout=120)
+    (entry,) = (tmp_path / "cpu-probe").glob("*.json")
+    kept = json.loads(entry.read_text())["value"]["peak_flops"]
+    for threads, torch_expected in (("1", hardware._accelerator_nodes()), (None, True)):
+        run_env = env | ({"OMP_NUM_THREADS": threads} if threads else {})
+        r = subprocess.run([sys.executable, "-c", script], env=run_env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        flops, imported = json.loads(r.stdout)
+        assert imported == torch_expected, threads
+        if threads:
+            assert flops == kept  # the figures kept by the process that imported torch: one key for both
+    assert len(list((tmp_path / "cpu-probe").glob("*.json"))) <= 2  # the 2-thread default may have measured its own
