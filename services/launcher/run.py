@@ -37,6 +37,7 @@ from services.launcher.config import UpConfig
 from services.launcher.history import STEPS_FILE, History, HistorySources
 from services.launcher.plan import RunPlan, make_plan, write_run_files
 from services.launcher.resume import hold_run_folder, wait_for_earlier_services
+from services.launcher.scrape import controller_speedup
 from services.launcher.services import prompt_tokens
 from services.launcher.tracking.base import Trackers
 from services.launcher.tracking.factory import open_trackers
@@ -51,12 +52,19 @@ class RunError(RuntimeError):
 
 
 def speedup_function(plan: RunPlan):
-    """The cost model's predicted rollout speedup for a schedule (JSON dict; None: dense, 1.0)."""
+    """The cost model's predicted rollout speedup for a schedule (JSON dict; None: dense, 1.0).
+
+    Speculative rollouts are priced by the acceptance the generators measure, which only the lossless
+    controller follows: their prediction is the controller's own (its gauge, through Prometheus), and none
+    without a controller. The lossy prediction of the same budgets would claim a speedup they do not give."""
     from sparrow.cost import predict
     from sparrow.hardware import get_hardware
     from sparrow.models import resolve_model
     from sparrow.schedule import Schedule
 
+    if plan.up.decode == "speculative":
+        url = plan.prometheus_url if plan.children.controller is not None else ""
+        return lambda schedule: controller_speedup(url) if url else None
     t = plan.children.trainer
     c = plan.children.controller
     overhead = c.cost.step_overhead if c is not None else 0.0  # the controller's pricing, as it reports it

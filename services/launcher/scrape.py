@@ -112,6 +112,13 @@ def promql_by_bin(prometheus_url: str, query: str, timeout_s: float = 3.0) -> di
     return out
 
 
+def controller_speedup(prometheus_url: str) -> float | None:
+    """The controller's current predicted speedup (its `sparrow_controller_predicted_speedup` gauge, through
+    Prometheus), or None when it has none (a lossless controller before its first acceptance reading) or
+    Prometheus does not answer."""
+    return promql_by_bin(prometheus_url, "max(sparrow_controller_predicted_speedup)").get("")
+
+
 def promql_p5(prometheus_url: str, window_s: float) -> dict[str, float]:
     """The controller's view of the tail: PromQL's histogram p5 per bin over the last `window_s`."""
     return promql_by_bin(prometheus_url, P5_PROMQL.format(window=f"{max(1, round(window_s))}s"))
