@@ -188,12 +188,13 @@ def cost_against_measured(
     from sparrow.hardware import HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
 
-    gen_len = max(1, round(sum(len(s.token_ids) for s in dense) / max(1, len(dense))))
+    samples = max(1, len(dense))
+    gen_len = max(1, round(sum(len(s.token_ids) for s in dense) / samples))
     try:
         spec, hardware = resolve_model(model), get_hardware("auto")
     except (ModelSpecError, HardwareError) as exc:
         return {"error": str(exc)}
-    paper = predict(spec, schedule, hardware, prompt_len, gen_len, max(1, len(dense)), price_dense_layers=True)
+    paper = predict(spec, schedule, hardware, prompt_len, gen_len, samples, price_dense_layers=True)
     overhead = implied_step_overhead(spec, paper, measured)
     out = {
         "hardware": hardware.name,
@@ -204,8 +205,10 @@ def cost_against_measured(
     }
     acceptance = speculative.get("acceptance")
     if overhead is not None and acceptance is not None:
-        priced = predict(spec, schedule, hardware, prompt_len, gen_len, len(dense), True, overhead)
-        out["speculative_predicted"] = predict_speculative(priced, speculative["speculative_tokens"], acceptance).speedup
+        priced = predict(spec, schedule, hardware, prompt_len, gen_len, samples, True, overhead)
+        out["speculative_predicted"] = predict_speculative(
+            priced, speculative["speculative_tokens"], acceptance
+        ).speedup
         out["speculative_measured"] = speculative["ratio_to_dense"]
     return out
 

@@ -161,7 +161,8 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             overhead = c["implied_step_overhead"]
             line = f"  cost model ({c['hardware']}): paper's terms {c['paper_speedup']:.2f}x sparse"
             if overhead is not None:
-                line += f"; measured with a step overhead of {overhead:.1f} x 2P per forward (controller cost.step_overhead)"
+                line += f"; measured with a step overhead of {overhead:.1f} x 2P per forward"
+                line += " (controller cost.step_overhead)"
             if "speculative_predicted" in c:
                 line += f", which predicts speculative {c['speculative_predicted']:.2f}x"
             print(line)

@@ -8,7 +8,7 @@ from prometheus_client import start_http_server
 
 from services.controller.metrics import ControllerMetrics
 from services.launcher.run import speedup_function
-from services.launcher.scrape import controller_speedup
+from services.launcher.scrape import controller_speedup, promql_by_bin
 from tests.servers import free_port, prometheus_server, wait_until
 
 SCHEDULE = {"budgets": [128, 256, 512], "bin_width": 1024, "version": 3}
@@ -21,7 +21,9 @@ def test_a_speculative_run_shows_the_controllers_prediction_or_none():
     try:
         with prometheus_server([f"127.0.0.1:{port}"]) as prom:
             plan = SimpleNamespace(
-                up=SimpleNamespace(decode="speculative"), prometheus_url=prom.url, children=SimpleNamespace(controller=1)
+                up=SimpleNamespace(decode="speculative"),
+                prometheus_url=prom.url,
+                children=SimpleNamespace(controller=1),
             )
             speedup_of = speedup_function(plan)
             # A lossless controller before its first acceptance reading predicts nothing (NaN): no figure, not 0.
@@ -30,7 +32,9 @@ def test_a_speculative_run_shows_the_controllers_prediction_or_none():
             assert speedup_of(SCHEDULE) is None
             metrics.show_schedule((128, 256, 512), 3, 1.32)
             wait_until(lambda: speedup_of(SCHEDULE) == 1.32, 30, "the controller's prediction through Prometheus")
-            no_controller = SimpleNamespace(up=plan.up, prometheus_url=prom.url, children=SimpleNamespace(controller=None))
+            no_controller = SimpleNamespace(
+                up=plan.up, prometheus_url=prom.url, children=SimpleNamespace(controller=None)
+            )
             assert speedup_function(no_controller)(SCHEDULE) is None
     finally:
         server.shutdown()
@@ -39,6 +43,4 @@ def test_a_speculative_run_shows_the_controllers_prediction_or_none():
 
 
 def prom_has_scraped(url: str) -> bool:
-    from services.launcher.scrape import promql_by_bin
-
     return promql_by_bin(url, "max(sparrow_controller_schedule_version)").get("") == 3.0
