@@ -54,8 +54,10 @@ def _prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[tuple[i
     return [tuple(rng.randrange(3, vocab) for _ in range(prompt_len)) for _ in range(batch)]
 
 
-def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None] | None = None, temperature=1.0):
-    """(the finished samples, seconds); `log` gets a line at every tenth of the generation length."""
+def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None] | None = None, temperature=1.0,
+              cycles: list | None = None):  # fmt: skip
+    """(the finished samples, seconds); `log` gets a line at every tenth of the generation length; `cycles`
+    collects the engine's timed speculative cycles."""
     for i, p in enumerate(prompts):
         engine.submit(PromptGroup(f"{tag}{i}", p, 1, 0, Sampling(max_new_tokens=gen_len, temperature=temperature)))
     out: list[FinishedSample] = []
@@ -63,11 +65,16 @@ def _generate(engine, prompts, gen_len: int, tag: str, log: Callable[[str], None
     steps, every = 0, max(1, gen_len // 10)
     while engine.in_flight:
         out.extend(engine.step())
+        if cycles is not None:
+            cycles.extend(engine.take_cycle_times())
         steps += 1  # a decode step generates one token of every running sequence (EOS is ignored)
         if log is not None and (steps % every == 0 or not engine.in_flight):
             t = time.perf_counter() - start
             log(f"bench rollout: {tag} step {steps} ({gen_len} tokens per sequence), {t:.0f} s")
-    return out, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if cycles is not None:
+        cycles.extend(engine.take_cycle_times(flush=True))
+    return out, seconds
 
 
 def attended_fraction(samples: list[FinishedSample], layers: int, dense_layers: int) -> float:
@@ -180,11 +187,13 @@ def cost_against_measured(
     """The cost model at the bench's shape (this machine's hardware, the schedule's dense layers priced dense)
     beside the measured sparse speedup: the paper's terms alone, the step overhead (multiples of 2P) that
     makes them predict the measurement (`sparrow.cost.implied_step_overhead`; the controller's
-    `cost.step_overhead`), and with it the speculative speedup at the measured acceptance.
+    `cost.step_overhead`), and with it the speculative speedup at the measured acceptance; beside them the
+    overhead the speculative engine's own timed cycles imply (what the lossless controller prices, with no
+    dense run) and the speculative speedup it predicts.
 
     The generation length priced is the mean of the dense run's; {"error": ...} where the cost model has no
     figures for this machine or model."""
-    from sparrow.cost import implied_step_overhead, predict, predict_speculative
+    from sparrow.cost import bin_step_overhead, implied_step_overhead, predict, predict_speculative
     from sparrow.hardware import HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
 
@@ -203,13 +212,27 @@ def cost_against_measured(
         "measured_speedup": measured,
         "implied_step_overhead": overhead,
     }
-    acceptance = speculative.get("acceptance")
-    if overhead is not None and acceptance is not None:
+    acceptance, k = speculative.get("acceptance"), speculative.get("speculative_tokens")
+    if acceptance is None:
+        return out
+    out["speculative_measured"] = speculative["ratio_to_dense"]
+    if overhead is not None:
         priced = predict(spec, schedule, hardware, prompt_len, gen_len, samples, True, overhead)
-        out["speculative_predicted"] = predict_speculative(
-            priced, speculative["speculative_tokens"], acceptance
-        ).speedup
-        out["speculative_measured"] = speculative["ratio_to_dense"]
+        out["speculative_predicted"] = predict_speculative(priced, k, acceptance).speedup
+    # What the lossless controller prices without a dense run: the overhead the speculative engine's own timed
+    # cycles imply (per bin, weighted by cycles), and the speculative speedup predicted with it.
+    solved = []
+    for index, t in (speculative.get("timed_cycles") or {}).items():
+        n = t["cycles"]
+        o = bin_step_overhead(spec, hardware, schedule, int(index), k, t["draft_seconds"] / (k * n),
+                              t["verify_seconds"] / n)  # fmt: skip
+        if o is not None:
+            solved.append((o, n))
+    if solved:
+        cycle_overhead = sum(o * n for o, n in solved) / sum(n for _, n in solved)
+        priced = predict(spec, schedule, hardware, prompt_len, gen_len, samples, True, cycle_overhead)
+        out["cycle_step_overhead"] = cycle_overhead
+        out["speculative_predicted_from_cycles"] = predict_speculative(priced, k, acceptance).speedup
     return out
 
 
@@ -220,7 +243,8 @@ def _speculative(engine, schedule, prompts, gen_len, greedy, dense_greedy, dense
         _generate(engine, prompts[:1], 8, "warmup")
         say(f"bench rollout: speculative engine ready, k = {engine.config.speculative_tokens}")
         start = engine.speculative_counts()
-        samples, seconds = _generate(engine, prompts, gen_len, "speculative", say)
+        cycles: list = []
+        samples, seconds = _generate(engine, prompts, gen_len, "speculative", say, cycles=cycles)
         counts = {k: v - start[k] for k, v in engine.speculative_counts().items()}
         spec_greedy, _ = _generate(engine, prompts, greedy, "speculative-greedy", None, temperature=0.0)
     finally:
@@ -246,7 +270,20 @@ def _speculative(engine, schedule, prompts, gen_len, greedy, dense_greedy, dense
         "greedy_tokens_compared": greedy,
         "speculative_identical_to_dense": all(d is None for d in first_difference),
         "greedy_first_difference": first_difference,
+        "timed_cycles": _timed_cycles(cycles, schedule),
     }
+
+
+def _timed_cycles(cycles: list, schedule: Schedule) -> dict:
+    """The engine's timed cycles (decodes alone) summed per bin of the schedule: cycles, seconds of the k draft
+    steps, seconds of the rest (the verify)."""
+    bins: dict[str, list] = {}
+    for c in cycles:
+        entry = bins.setdefault(str(schedule.bin_of(c.kv_len)), [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += c.draft_seconds
+        entry[2] += c.verify_seconds
+    return {i: {"cycles": n, "draft_seconds": d, "verify_seconds": v} for i, (n, d, v) in sorted(bins.items())}
 
 
 def _kv_bytes_per_token(cfg: dict) -> int:

@@ -19,8 +19,10 @@ Those left-out costs can be priced back as one measured figure, the step overhea
 forward costs per sequence beyond the paper's terms, in multiples of the weights' FLOPs 2P, paid once
 per forward (a draft step, a dense step and a verify over k + 1 positions alike). 0, the default, is
 the paper's model. `implied_step_overhead` solves it from a measured sparse/dense decode rate
-(`sparrow bench rollout` reports it): where attention is not most of a step, as on a CPU with a
-small model, the paper's terms alone make sparse drafts look several times cheaper than they are.
+(`sparrow bench rollout` reports it), `cycle_step_overhead` from a speculative engine's own timing of
+its drafts and verifies (the lossless controller prices with it as the generators measure it). Where
+attention is not most of a step, as on a CPU with a small model, the paper's terms alone make sparse
+drafts look several times cheaper than they are.
 """
 
 from __future__ import annotations
@@ -247,6 +249,64 @@ def implied_step_overhead(model: ModelSpec, prediction: CostPrediction, measured
     sparse = prediction.sparse.total - prediction.overhead
     per_token = 2 * model.params * prediction.samples * prediction.gen_len
     return max(0.0, (dense - measured_speedup * sparse) / (measured_speedup - 1) / per_token)
+
+
+def cycle_step_overhead(
+    model: ModelSpec,
+    hardware: Hardware,
+    kv_len: int,
+    budget: int,
+    k: int,
+    draft_step_seconds: float,
+    verify_seconds: float,
+    page_size: int = PAGE_SIZE,
+    dense_layers: int = 0,
+) -> float | None:
+    """The step overhead (multiples of 2P) a speculative engine's own cycle times imply, with no dense run.
+
+    A cycle at KV length `kv_len` is k draft steps at `budget` and one dense verify over k + 1 positions;
+    the engine times both (`draft_step_seconds` one draft step, `verify_seconds` the rest of the cycle:
+    the verify forward, rejection sampling, the engine's bookkeeping). With D and V their paper terms
+    (`decode_step_cost`) and W = 2P, the overhead O solving (D + O W) / (V + O W) = draft / verify is
+    O = (r V - D) / (W (1 - r)), r the measured ratio. 0 when the paper's terms alone make a draft step
+    at least that dear; None when a draft step took as long as the verify or longer (no overhead
+    explains it), or for times that are not positive and finite.
+    """
+    times = (draft_step_seconds, verify_seconds)
+    if not all(isinstance(t, (int, float)) and 0 < t < float("inf") for t in times):
+        return None
+    r = draft_step_seconds / verify_seconds
+    if r >= 1:
+        return None
+    draft = decode_step_cost(model, hardware, kv_len, budget, page_size, dense_layers).total
+    verify = decode_step_cost(model, hardware, kv_len, 0, queries=k + 1).total
+    return max(0.0, (r * verify - draft) / (2 * model.params * (1 - r)))
+
+
+def bin_middle(schedule: Schedule, index: int) -> int:
+    """The KV length a bin is priced at: the middle of its range (the last bin, open-ended, as one bin wide)."""
+    start, end = schedule.bin_range(index)
+    return max((start + (end if end is not None else start + schedule.bin_width)) // 2, 1)
+
+
+def dense_layer_count(model: ModelSpec, schedule: Schedule) -> int:
+    """How many of the model's layers the schedule keeps dense."""
+    return sum(1 for layer in schedule.dense_layers if layer < model.num_layers)
+
+
+def bin_step_overhead(
+    model: ModelSpec,
+    hardware: Hardware,
+    schedule: Schedule,
+    index: int,
+    k: int,
+    draft_step_seconds: float,
+    verify_seconds: float,
+) -> float | None:
+    """`cycle_step_overhead` of cycles timed in the schedule's bin `index`, priced at its middle and its budget."""
+    return cycle_step_overhead(model, hardware, bin_middle(schedule, index), schedule.budgets[index], k,
+                               draft_step_seconds, verify_seconds, schedule.page_size,
+                               dense_layer_count(model, schedule))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,11 @@ DRAFT_TOKENS_COUNTER = "sparrow_generator_draft_tokens"
 ACCEPTED_DRAFT_TOKENS_COUNTER = "sparrow_generator_accepted_draft_tokens"
 SPECULATIVE_CYCLES_COUNTER = "sparrow_generator_speculative_cycles"
 DRAFT_ALPHA_HISTOGRAM = "sparrow_generator_draft_alpha"  # sum_x min(p, q) at each drafted position
+# Timed cycles (decodes alone), per bin of their mean KV length: seconds of the k draft steps and of the rest of
+# the cycle (the verify). The lossless controller solves the step overhead from their ratio (sparrow.cost).
+DRAFT_SECONDS_COUNTER = "sparrow_generator_draft_seconds"
+VERIFY_SECONDS_COUNTER = "sparrow_generator_verify_seconds"
+TIMED_CYCLES_COUNTER = "sparrow_generator_timed_cycles"
 
 SCHEDULE_KEY = "sparrow:schedule:current"
 SCHEDULE_HISTORY_KEY = "sparrow:schedule:history"

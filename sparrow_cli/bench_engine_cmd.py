@@ -166,6 +166,10 @@ def run_engine_bench(args: argparse.Namespace) -> int:
             if "speculative_predicted" in c:
                 line += f", which predicts speculative {c['speculative_predicted']:.2f}x"
             print(line)
+            if "cycle_step_overhead" in c:
+                print(f"  the speculative engine's timed cycles imply a step overhead of {c['cycle_step_overhead']:.1f}"
+                      f" x 2P (what the lossless controller prices), which predicts speculative "
+                      f"{c['speculative_predicted_from_cycles']:.2f}x")  # fmt: skip
     else:
         print(
             f"parity over {d['tokens']} generated tokens ({d['sparse_tokens']} decoded sparsely, mean attended KV "

@@ -64,6 +64,11 @@ class StatusOut(BaseModel):
     compact: str | None
     predicted_speedup: float | None
     cost: dict[str, Any]
+    step_overhead: dict[str, Any] | None = Field(
+        None,
+        description="Lossless mode: the step overhead priced (multiples of 2P), configured, measured from the "
+        "generators' timed cycles (per bin and pooled), and whether measuring is on; null in tail mode.",
+    )
     tau: float
     margin: float
     hysteresis: float

@@ -205,7 +205,14 @@ class CostConfig(ConfigSection):
         allow_inf_nan=False,
         description="What a decode forward costs per sequence beyond the paper's terms (weight reads, sampling, the "
         "engine's own work), in multiples of the weights' FLOPs 2P; 0 prices as the paper does. Measure it: "
-        "`sparrow bench rollout` reports `cost.implied_step_overhead` for the engine, batch and length it ran.",
+        "`sparrow bench rollout` reports `cost.implied_step_overhead` for the engine, batch and length it ran. "
+        "In lossless mode it is priced until the generators' timed cycles give a measured one.",
+    )
+    measure_step_overhead: bool = Field(
+        True,
+        description="Lossless mode: price with the step overhead the generators' own timing of drafts and verifies "
+        "implies (sparrow_generator_draft_seconds / verify_seconds), once they have timed a cycle; false keeps "
+        "the configured step_overhead.",
     )
 
 

@@ -99,6 +99,8 @@ class ControlLoop:
             self.bins = proposal.bins
             if self.lossless:
                 self.metrics.show_draft_estimates(proposal.bins)
+                if self.retuner.overhead is not None:
+                    self.metrics.step_overhead.set(self.retuner.overhead.value)
                 self._refresh_speedup()
             else:
                 self.metrics.show_estimates({s.bin: s.estimate for s in proposal.bins if s.estimate is not None})
@@ -277,6 +279,7 @@ class ControlLoop:
             "compact": s.compact() if s else None,
             "predicted_speedup": self.speedup if self.speedup is not None and math.isfinite(self.speedup) else None,
             "cost": self.config.cost.model_dump(),
+            "step_overhead": self.retuner.overhead.status() if getattr(self.retuner, "overhead", None) else None,
             "tau": c.tau,
             "margin": c.margin,
             "hysteresis": c.hysteresis,

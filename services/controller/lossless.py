@@ -5,7 +5,8 @@ budget: there is no tail to hold, only throughput to win. A cycle of k drafts at
 (1 - a^(k+1)) / (1 - a) tokens on average, where a, the mean acceptance of one draft, grows with B,
 and costs k draft steps at B plus one dense verify over k + 1 positions. A small budget makes drafts
 cheap and rejected; a large one makes them accepted and dear. The cost model prices both
-(`sparrow.cost.speculative_step_speedup` at the bin's middle KV length); the generators measure a
+(`sparrow.cost.speculative_step_speedup` at the bin's middle KV length, with the step overhead the
+generators' own timing of drafts and verifies implies: `StepOverheadEstimate`); the generators measure a
 per bin (`sparrow_generator_draft_alpha`).
 
 Acceptance is learned as y = -ln(1 - a), the log of how rarely a draft is rejected: the attention mass
@@ -37,6 +38,7 @@ from services.controller.curve import Point
 from services.controller.memory import BinMemory
 from services.controller.readings import BinStatus, DraftReading, Proposal, Snapshot
 from services.controller.retune import finish_proposal
+from sparrow.cost import bin_middle
 from sparrow.schedule import Schedule
 
 # gain(schedule, bin index, draft budget, acceptance) -> tokens per cost over dense decoding's in that bin
@@ -55,6 +57,56 @@ def to_alpha(y: float) -> float:
     return -math.expm1(-max(y, 0.0))
 
 
+# solve(schedule, bin index, seconds of one draft step, seconds of the rest of a cycle) -> the step overhead in
+# multiples of 2P those times imply at the bin's budget (None: none explains them); sparrow.cost.cycle_step_overhead.
+OverheadSolver = Callable[[Schedule, int, float, float], "float | None"]
+MIN_TIMED_CYCLES = 8  # timed cycles a bin's window needs before its times price the overhead
+
+
+class StepOverheadEstimate:
+    """The step overhead the gain is priced with: the one the generators' own cycle times imply, or the configured.
+
+    Each tick, every bin whose window holds `min_cycles` timed cycles gives the overhead at which the cost model's
+    draft step and verify cost what they took, relative to each other (`solve`); the estimate is their mean,
+    weighted by timed cycles. A tick without one keeps the last. Until the first (or with `measure` off) the
+    configured figure is priced.
+    """
+
+    def __init__(self, configured: float, k: int, solve: OverheadSolver, measure: bool = True,
+                 min_cycles: float = MIN_TIMED_CYCLES) -> None:  # fmt: skip
+        self.configured, self.k, self.solve, self.measure = configured, k, solve, measure
+        self.min_cycles = min_cycles
+        self.measured: float | None = None
+        self.per_bin: dict[int, float] = {}
+
+    @property
+    def value(self) -> float:
+        """The overhead priced now."""
+        return self.measured if self.measure and self.measured is not None else self.configured
+
+    def observe(self, schedule: Schedule, snapshot: Snapshot | None) -> None:
+        """Solve the overhead from the timed cycles of `snapshot`'s bins (None: blind, nothing changes)."""
+        if snapshot is None:
+            return
+        per_bin, total, weight = {}, 0.0, 0.0
+        for i, r in snapshot.bins.items():
+            if not isinstance(r, DraftReading) or not 0 <= i < schedule.num_bins or r.timed_cycles < self.min_cycles:
+                continue
+            overhead = self.solve(schedule, i, r.draft_seconds / (self.k * r.timed_cycles),
+                                  r.verify_seconds / r.timed_cycles)  # fmt: skip
+            if overhead is None or not math.isfinite(overhead):
+                continue
+            per_bin[i] = overhead
+            total, weight = total + overhead * r.timed_cycles, weight + r.timed_cycles
+        if weight > 0:
+            self.measured, self.per_bin = total / weight, per_bin
+
+    def status(self) -> dict:
+        """What the status page shows of it."""
+        return {"priced": self.value, "configured": self.configured, "measured": self.measured,
+                "measuring": self.measure, "per_bin": {str(i): o for i, o in sorted(self.per_bin.items())}}  # fmt: skip
+
+
 @dataclass
 class _Bin:
     budget: int
@@ -68,8 +120,16 @@ class _Bin:
 class LosslessRetuner:
     """Per-bin acceptance curves and the throughput rule above; pure logic, driven by readings and the clock."""
 
-    def __init__(self, retune: RetuneConfig, lossless: LosslessConfig, window_s: float, gain: GainModel) -> None:
+    def __init__(
+        self,
+        retune: RetuneConfig,
+        lossless: LosslessConfig,
+        window_s: float,
+        gain: GainModel,
+        overhead: StepOverheadEstimate | None = None,
+    ) -> None:
         self.config, self.lossless = retune, lossless
+        self.overhead = overhead  # observed each tick, before the gains are priced (`gain` reads it)
         self.window_s = window_s
         self.gain = gain
         self.grid = retune.grid
@@ -116,6 +176,8 @@ class LosslessRetuner:
     def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
         """Observe `snapshot` (None: blind) at time `now` and propose the next draft budgets for `schedule`."""
         self.sync(schedule)
+        if self.overhead is not None:
+            self.overhead.observe(schedule, snapshot)
         statuses, desired, reasons = [], list(schedule.budgets), {}
         for i, state in enumerate(self._bins):
             status = BinStatus(bin=i, budget=state.budget, since_version=state.since_version)
@@ -160,8 +222,7 @@ class LosslessRetuner:
     def _candidates(self, schedule: Schedule, index: int, budget: int) -> list[int]:
         c = self.config
         # A budget over the bin's KV drafts densely: lowering it to the KV changes nothing, so steps count from there.
-        start, end = schedule.bin_range(index)
-        kv = (start + (end if end is not None else start + schedule.bin_width)) // 2
+        kv = bin_middle(schedule, index)
         low = max(c.min_budget, self.grid.up(min(budget, kv) / c.max_step_ratio))
         high = min(c.max_budget, budget * c.max_step_ratio)
         out, b = [], low

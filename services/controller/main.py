@@ -56,7 +56,7 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
 
         def predict_schedule(schedule):
             return predict(model, schedule, hardware, cost.prompt_len, cost.gen_len, cost.samples,
-                           step_overhead=cost.step_overhead)  # fmt: skip
+                           step_overhead=retuner.overhead.value)  # fmt: skip
 
         source = DraftSource(p.url, p.window_s, p.timeout_s, p.max_age_s)
         return ControlLoop(config, publisher, source, initial, speculative_speedup_of, retuner=retuner)
@@ -68,25 +68,29 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
 
 
 def lossless_retuner(config: ControllerConfig, model, hardware):
-    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length (with the
-    configured step overhead: without it a CPU's drafts look several times cheaper than they are)."""
-    from services.controller.lossless import LosslessRetuner
-    from sparrow.cost import speculative_step_speedup
+    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length with the step
+    overhead the generators' timed cycles imply (the configured one until then: without it a CPU's drafts look
+    several times cheaper than they are)."""
+    from services.controller.lossless import LosslessRetuner, StepOverheadEstimate
+    from sparrow.cost import bin_middle, bin_step_overhead, dense_layer_count, speculative_step_speedup
 
     k = config.lossless.speculative_tokens
+
+    def solve(schedule, index, draft_step_s, verify_s):
+        return bin_step_overhead(model, hardware, schedule, index, k, draft_step_s, verify_s)
+
+    overhead = StepOverheadEstimate(config.cost.step_overhead, k, solve, config.cost.measure_step_overhead)
 
     def gain(schedule, index, budget, alpha):
         if alpha is None:
             return float("nan")
-        start, end = schedule.bin_range(index)
-        kv = (start + (end if end is not None else start + schedule.bin_width)) // 2
+        kv = bin_middle(schedule, index)
         if budget >= kv:  # the draft reads the whole KV: it is the dense policy
             alpha = 1.0
-        dense_layers = sum(1 for layer in schedule.dense_layers if layer < model.num_layers)
-        return speculative_step_speedup(model, hardware, max(kv, 1), budget, k, alpha, schedule.page_size, dense_layers,
-                                        config.cost.step_overhead)  # fmt: skip
+        return speculative_step_speedup(model, hardware, kv, budget, k, alpha, schedule.page_size,
+                                        dense_layer_count(model, schedule), overhead.value)  # fmt: skip
 
-    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain)
+    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain, overhead)
 
 
 def serve(config: ControllerConfig) -> None:

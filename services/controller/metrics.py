@@ -41,6 +41,12 @@ class ControllerMetrics:
         self.speedup = Gauge(
             "sparrow_controller_predicted_speedup", "Cost model's rollout speedup of the current schedule.", registry=r
         )
+        self.step_overhead = Gauge(
+            "sparrow_controller_step_overhead",
+            "Lossless mode: the step overhead the gain is priced with (multiples of 2P; measured from the generators' "
+            "timed cycles, or the configured one).",
+            registry=r,
+        )
         self.version = Gauge("sparrow_controller_schedule_version", "Version of the current schedule.", registry=r)
         self.blind = Gauge(
             "sparrow_controller_blind", "1 while no fresh trainer metrics are readable (schedule held).", registry=r

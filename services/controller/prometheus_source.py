@@ -164,6 +164,9 @@ def draft_queries(window_s: float) -> dict[str, str]:
         "drafts": increase(f"{mc.DRAFT_TOKENS_COUNTER}_total"),
         "accepted": increase(f"{mc.ACCEPTED_DRAFT_TOKENS_COUNTER}_total"),
         "cycles": increase(f"{mc.SPECULATIVE_CYCLES_COUNTER}_total"),
+        "timed_cycles": increase(f"{mc.TIMED_CYCLES_COUNTER}_total"),
+        "draft_seconds": increase(f"{mc.DRAFT_SECONDS_COUNTER}_total"),
+        "verify_seconds": increase(f"{mc.VERIFY_SECONDS_COUNTER}_total"),
         "age": f"time() - max by ({mc.BIN_LABEL}) (timestamp({mc.DRAFT_TOKENS_COUNTER}_total))",
         "version": f"min({mc.GENERATOR_SCHEDULE_VERSION_GAUGE})",
     }
@@ -198,7 +201,10 @@ class DraftSource(PrometheusSource):
                 continue
             counts = [per_bin[n].get(index, 0.0) for n in ("drafts", "accepted", "cycles")]
             drafts, accepted, cycles = (min(max(c, 0.0), MAX_TOKENS) for c in counts)
-            bins[index] = DraftReading(min(alpha, 1.0), max(drafts, count), accepted, cycles)
+            timed = [per_bin[n].get(index, 0.0) for n in ("timed_cycles", "draft_seconds", "verify_seconds")]
+            timed_cycles, draft_s, verify_s = (min(max(t, 0.0), MAX_TOKENS) for t in timed)
+            bins[index] = DraftReading(min(alpha, 1.0), max(drafts, count), accepted, cycles, timed_cycles, draft_s,
+                                       verify_s)  # fmt: skip
         return Snapshot(trainer_version=version, bins=bins)
 
 

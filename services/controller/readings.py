@@ -23,13 +23,18 @@ class DraftReading:
     """What Prometheus showed of one bin's speculative decoding over the window (lossless mode).
 
     `alpha` is the mean of sum_x min(p, q) over the drafted positions: the acceptance probability
-    of one draft. `accepted` over `cycles` is the mean accepted length.
+    of one draft. `accepted` over `cycles` is the mean accepted length. The ratio of `draft_seconds` (over
+    k) to `verify_seconds` is what a draft step costs relative to the verify, as the engines measured it.
     """
 
     alpha: float
     drafts: float
     accepted: float = 0.0
     cycles: float = 0.0
+    # Timed cycles (decodes alone) and their seconds: of the k draft steps, and of the rest (the verify).
+    timed_cycles: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

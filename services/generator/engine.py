@@ -6,6 +6,7 @@
     for sample in engine.step():    # one engine step (continuous batching); samples that finished
         ...
     engine.take_generated()         # the tokens generated since the last call, finished or not
+    engine.take_cycle_times()       # speculative cycles timed since the last call (drafts vs verify)
     engine.time_phases(timer)       # charge engine time to prefill / sampling (sparrow.timing)
     engine.set_schedule(schedule)   # applies from the next step on
     engine.set_probe(probe)         # a share of new sequences at the probe's budgets (None: off)
@@ -87,6 +88,18 @@ class Generated:
     kv_budgets: list[int]
 
 
+@dataclass(frozen=True)
+class CycleTime:
+    """One speculative cycle of a whole batch, timed by the engine: its `rows` sequences, the mean KV length of
+    their first draft step, the seconds of the k draft steps, and of the rest of the cycle (the dense verify,
+    rejection sampling and the engine's own work). The lossless controller prices drafts with them."""
+
+    rows: int
+    kv_len: int
+    draft_seconds: float
+    verify_seconds: float
+
+
 class EngineError(RuntimeError):
     """An engine operation that failed without harming the engine (e.g. a refused adapter)."""
 
@@ -105,6 +118,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def take_generated(self) -> list[Generated]:
         """The tokens generated since the last call, per sequence, whether or not the sequence has finished."""
+
+    def take_cycle_times(self, flush: bool = False) -> list[CycleTime]:
+        """The speculative cycles timed since the last call (none when not speculative). Only cycles of decodes
+        alone, each row drafting k, are timed: a batch that also prefills would charge the prefill to the verify.
+        An engine may collect them from its workers now and then; `flush` collects them now."""
+        return []
 
     _phases: PhaseTimer | None = None
 

@@ -24,7 +24,7 @@ from sparrow.schedule import DEFAULT_BIN_WIDTH, Schedule
 from sparrow.timing import OTHER
 
 if TYPE_CHECKING:
-    from services.generator.engine import FinishedSample
+    from services.generator.engine import CycleTime, FinishedSample
 
 SWAP_KINDS = ("policy", "adapter", "schedule", "probe")
 SWAP_OUTCOMES = ("ok", "refused")
@@ -129,6 +129,24 @@ class GeneratorMetrics:
             buckets=mc.ALPHA_BUCKETS,
             registry=r,
         )
+        self.draft_seconds = Counter(
+            mc.DRAFT_SECONDS_COUNTER,
+            "Speculative decoding: seconds of the k draft steps of timed cycles (decodes alone), per bin of the "
+            "cycle's mean KV length.",
+            b,
+            registry=r,
+        )
+        self.verify_seconds = Counter(
+            mc.VERIFY_SECONDS_COUNTER,
+            "Speculative decoding: seconds of the rest of timed cycles (the dense verify, rejection sampling, the "
+            "engine's own work), per bin.",
+            b,
+            registry=r,
+        )
+        self.timed_cycles = Counter(
+            mc.TIMED_CYCLES_COUNTER, "Speculative decoding: cycles timed, per bin (batch cycles, not rows).", b,
+            registry=r,
+        )  # fmt: skip
         self.step_seconds = Histogram(
             "sparrow_generator_step_seconds", "Wall time of one engine step.", buckets=STEP_BUCKETS, registry=r
         )
@@ -221,6 +239,20 @@ class GeneratorMetrics:
             histogram = self.draft_alpha.labels(**label)
             for a in np.asarray(sample.draft_alphas)[mask].tolist():
                 histogram.observe(a)
+
+    def record_cycle(self, cycle: CycleTime) -> None:
+        """Add one timed speculative cycle to its bin's seconds of drafting and verifying."""
+        if not (cycle.draft_seconds > 0 and cycle.verify_seconds > 0 and cycle.kv_len >= 0):
+            return
+        with self._lock:
+            width, num_bins = self._bin_width, self._num_bins
+        index = cycle.kv_len // width
+        if num_bins is not None:
+            index = min(index, num_bins - 1)
+        label = {mc.BIN_LABEL: mc.bin_label(index)}
+        self.draft_seconds.labels(**label).inc(cycle.draft_seconds)
+        self.verify_seconds.labels(**label).inc(cycle.verify_seconds)
+        self.timed_cycles.labels(**label).inc()
 
     def record_phases(self, seconds: dict[str, float]) -> None:
         """Add one interval's split (`PhaseTimer.take`) to the phase counters."""

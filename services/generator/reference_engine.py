@@ -29,6 +29,7 @@ import torch
 from services.generator.engine import (
     FINISH_LENGTH,
     FINISH_STOP,
+    CycleTime,
     EngineError,
     EngineVersions,
     FinishedSample,
@@ -100,6 +101,7 @@ class ReferenceEngine(RolloutEngine):
         self._adapter: str | None = None
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
         self._generated: list[Generated] = []
+        self._cycle_times: list[CycleTime] = []
 
     # ---- the batch ----------------------------------------------------------------------------------
 
@@ -132,6 +134,10 @@ class ReferenceEngine(RolloutEngine):
     def take_generated(self) -> list[Generated]:
         # A step generates its group whole: its tokens are all generated in the step that returns them.
         out, self._generated = self._generated, []
+        return out
+
+    def take_cycle_times(self, flush: bool = False) -> list[CycleTime]:
+        out, self._cycle_times = self._cycle_times, []
         return out
 
     def abort(self, group_id: str) -> None:
@@ -177,6 +183,7 @@ class ReferenceEngine(RolloutEngine):
         if speculate:
             decoder = SpeculativeDecoder(self.model, cache, s, self.speculative_tokens, max_new, eos, self._rng)
             rows = decoder.run(logits, lens)
+            self._cycle_times += decoder.cycle_times
             return self._finished(group, rows, stops, versions, probing, submitted, start)
         rows = [DecodedRow() for _ in range(n)]
         done = torch.zeros(n, dtype=torch.bool, device=self.device)

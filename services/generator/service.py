@@ -339,6 +339,8 @@ class GeneratorService:
         # Counted in the step that generated them, with the step's time: throughput over any window is honest.
         for g in self.engine.take_generated():
             self.metrics.record_tokens(g.prompt_len, g.kv_budgets, g.first)
+        for cycle in self.engine.take_cycle_times():
+            self.metrics.record_cycle(cycle)
         for sample in finished:
             self._send(sample)
         self._show_in_flight()

@@ -10,8 +10,11 @@ the verify pass, its reported budget is 0 (dense).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from services.generator.engine import CycleTime
 from sparrow.speculative import nucleus, verify_drafts
 from sparrow.work import Sampling
 from trainer.reference_generate import PagedDecodeCache
@@ -56,6 +59,7 @@ class SpeculativeDecoder:
     ) -> None:
         self.model, self.cache, self.s, self.k = model, cache, sampling, k
         self.max_new, self.stops, self.rng = max_new, stops, rng
+        self.cycle_times: list[CycleTime] = []  # every cycle, timed: its drafts apart from the rest
 
     @torch.no_grad()
     def run(self, logits: torch.Tensor, lens: torch.Tensor) -> list[DecodedRow]:
@@ -69,7 +73,10 @@ class SpeculativeDecoder:
         while not bool(done.all()):
             alive = ~done
             active = alive.nonzero()[:, 0].tolist()
+            kv = int(lens[alive].float().mean()) + 1  # the first draft step's KV length, over the rows that go on
+            t0 = time.perf_counter()
             q, drafts = self._draft(pending, lens)
+            t1 = time.perf_counter()
             dense = self._verify(pending, drafts, lens)
             verdict = verify_drafts(nucleus(dense.exp(), self.s.top_p), q, drafts, self.rng)
             emitted = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], dim=1)
@@ -85,6 +92,7 @@ class SpeculativeDecoder:
                 row.alpha_kv_lens.extend(range(start + 1, start + self.k + 1))
             self._record(rows, done, emitted, verdict.accepted + 1, dense)
             lens = lens + torch.where(alive, verdict.accepted + 1, 0)  # finished rows stay where they are
+            self.cycle_times.append(CycleTime(n, kv, t1 - t0, time.perf_counter() - t1))
             pending = verdict.next_token
         return rows
 

@@ -27,6 +27,7 @@ from services.generator.engine import (
     FINISH_ABORTED,
     FINISH_LENGTH,
     FINISH_STOP,
+    CycleTime,
     EngineError,
     EngineVersions,
     FinishedSample,
@@ -171,6 +172,7 @@ class VllmEngine(RolloutEngine):
         self._plan: ProbePlan | None = None  # the probe as the workers run it now
         self._probe_share = ShareCounter()
         self._generated: list[Generated] = []
+        self._cycles_taken = float("-inf")  # when take_cycle_times last asked the workers
         self.set_schedule(schedule)
 
     # -- hot swaps ---------------------------------------------------------------------------------
@@ -446,6 +448,16 @@ class VllmEngine(RolloutEngine):
         out, self._generated = self._generated, []
         return out
 
+    def take_cycle_times(self, flush: bool = False) -> list[CycleTime]:
+        # One call to the workers a second at most (the times wait in the worker meanwhile); the first worker's:
+        # under tensor parallelism every worker runs the same cycles, each timed by its own clock.
+        now = time.monotonic()
+        if not self.speculative or (now - self._cycles_taken < CYCLE_TIMES_EVERY_S and not flush):
+            return []
+        self._cycles_taken = now
+        times = self._engine.collective_rpc("sparrow_take_cycle_times")[0]
+        return [CycleTime(int(r), int(kv), float(d), float(v)) for r, kv, d, v in times]
+
     def _finish(self, request_id: str, reason: str, drafts=()) -> FinishedSample:
         seq = self._sequences.pop(request_id)
         group_ids = self._by_group.get(seq.group.group_id, [])
@@ -512,6 +524,7 @@ class VllmEngine(RolloutEngine):
         return results[0]
 
 
+CYCLE_TIMES_EVERY_S = 1.0  # how often the engine collects the workers' timed speculative cycles
 LOAD_BUCKET_BYTES = 512 << 20  # what one call to the workers carries of a streamed version
 
 

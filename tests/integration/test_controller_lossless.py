@@ -2,8 +2,10 @@
 generator's own metrics class), with a real Redis: `sparrow controller` in a subprocess.
 
 The stand-in's draft acceptance per bin follows known curves at the budgets of the schedule in Redis.
-The controller must bring every bin to a draft budget whose tokens per cost (the cost model's, at the
-acceptance the curve gives) is within a few percent of the best budget in its bounds, move the budgets up
+The stand-in also times its cycles as an engine with a known step overhead would. The controller, configured
+with none, must price the overhead those times imply and bring every bin to a draft budget whose tokens per
+cost (the cost model's, at the acceptance the curve gives and the true overhead) is within a few percent of
+the best budget in its bounds, move the budgets up
 when acceptance drops (the policy moved), and report its estimates; then stop cleanly on SIGTERM.
 """
 
@@ -27,7 +29,7 @@ from sparrow import metrics_contract as mc
 from sparrow.hardware import get_hardware
 from sparrow.models import resolve_model
 from sparrow.schedule import Schedule
-from tests.fixtures.standin_speculative_generator import standin_speculative_generator
+from tests.fixtures.standin_speculative_generator import CycleTiming, standin_speculative_generator
 from tests.servers import free_port, prometheus_server, redis_server, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +42,9 @@ def acceptance(b0: float):
 
 
 GOOD = [acceptance(b0) for b0 in (300, 600, 1000, 1500)]
+# The stand-in engine's forwards pay this much beyond the paper's terms (x 2P); the controller is configured with
+# none and must price what the engine's timed cycles imply. Priced at 0, the best budgets are 1.5-2x lower.
+OVERHEAD = 50.0
 WORSE = [acceptance(b0 * 12) for b0 in (300, 600, 1000, 1500)]
 
 
@@ -74,8 +79,11 @@ port = {port}
 
 
 def _shortfall(budgets: list[int], curves) -> list[float]:
-    """Per bin, how far the budget's true tokens per cost falls short of the best budget's in the bounds."""
-    cfg = ControllerConfig.model_validate({"mode": "lossless", "retune": {"min_budget": 256, "max_budget": 16384}})
+    """Per bin, how far the budget's true tokens per cost falls short of the best budget's in the bounds (priced
+    with the stand-in engine's true step overhead)."""
+    retune = {"min_budget": 256, "max_budget": 16384}
+    cost = {"step_overhead": OVERHEAD, "measure_step_overhead": False}
+    cfg = ControllerConfig.model_validate({"mode": "lossless", "retune": retune, "cost": cost})
     r = lossless_retuner(cfg, resolve_model("qwen3-1.7b"), get_hardware("h200"))
     s = Schedule(budgets=tuple(budgets), bin_width=BIN_WIDTH)
     grid, out = cfg.retune.grid, []
@@ -108,7 +116,8 @@ def _settle(r: redis.Redis, curves, timeout: float, what: str) -> list[int]:
 
 @pytest.mark.slow
 def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop_in_acceptance(tmp_path):
-    with redis_server() as rs, standin_speculative_generator(rs.url, GOOD) as generator:
+    timing = CycleTiming("qwen3-1.7b", "h200", OVERHEAD)
+    with redis_server() as rs, standin_speculative_generator(rs.url, GOOD, timing=timing) as generator:
         with prometheus_server([f"127.0.0.1:{generator.port}"]) as prom:
             port = free_port()
             config = _config(tmp_path, rs.url, prom.url, port)
@@ -129,11 +138,15 @@ def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop
                 status = seen
                 assert status["mode"] == "lossless"
                 assert status["predicted_speedup"] is not None and status["predicted_speedup"] > 1
+                overhead = status["step_overhead"]  # solved from the engine's timed cycles, every bin alike
+                assert overhead["configured"] == 0 and overhead["measured"] == pytest.approx(OVERHEAD, rel=1e-3)
+                assert overhead["priced"] == overhead["measured"] and len(overhead["per_bin"]) == 4
                 fresh = [b for b in status["bins"] if b["state"] in ("fresh", "confirming")]
                 assert fresh and all(abs(b["estimate"] - GOOD[b["bin"]](b["budget"])) < 0.01 for b in fresh), fresh
                 metrics = httpx.get(f"{api}/metrics").text
                 assert 'sparrow_controller_draft_alpha{bin="3"}' in metrics
                 assert 'sparrow_controller_bin_predicted_gain{bin="3"}' in metrics
+                assert f"sparrow_controller_step_overhead {overhead['priced']}" in metrics
 
                 generator.curves = WORSE  # the policy moved: its sparse drafts agree less at every budget
                 second = _settle(r, WORSE, 60, "after acceptance dropped")

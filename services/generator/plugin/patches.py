@@ -72,12 +72,14 @@ def keep_cpu_linear_weights() -> None:
 def self_draft_proposer() -> None:
     """The target model drafts for itself through block-sparse attention (`plugin.self_draft`, where the two
     patched methods of vLLM's draft-model proposer and their reasons are), and each verified draft is noted
-    for the engine's metrics (`self_draft.note_drafts`: vLLM reports acceptance only as running totals)."""
-    from services.generator.plugin.self_draft import note_drafts
+    for the engine's metrics (`self_draft.note_drafts`: vLLM reports acceptance only as running totals), and
+    each cycle timed, drafts apart from the verify (`self_draft.time_cycles`: vLLM times neither)."""
+    from services.generator.plugin.self_draft import note_drafts, time_cycles
     from services.generator.plugin.self_draft import self_draft_proposer as patch
 
     patch()
     note_drafts()
+    time_cycles()
 
 
 def cpu_expand_kernel() -> None:

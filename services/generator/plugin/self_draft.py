@@ -26,6 +26,7 @@ never leaves a trace in the cache the target reads; the target's forwards decode
 from __future__ import annotations
 
 import functools
+from collections import deque
 
 SELF_DRAFT = "sparrow_self_draft"  # the key in vLLM's additional_config that turns the patches on
 DRAFTING = "sparrow_drafting"  # the attribute the metadata builder sets on a draft step's attention metadata
@@ -82,6 +83,7 @@ def _draft(self, k, target_positions, next_token_ids, token_indices_to_sample, c
     import torch
     from vllm.forward_context import set_forward_context
 
+    timed = _clock(next_token_ids.device) if getattr(self, "_sparrow_time_next", False) else None
     self.num_speculative_tokens = k
     self._last_draft_probs = None
     rows = cad.batch_size()
@@ -114,7 +116,79 @@ def _draft(self, k, target_positions, next_token_ids, token_indices_to_sample, c
             probs.append(p)
     if probs:
         self._last_draft_probs = torch.stack(probs, dim=1).contiguous()
-    return torch.stack(tokens[1:], dim=1)
+    drafts = torch.stack(tokens[1:], dim=1)
+    if timed is not None:  # rows, the first draft step's mean KV length, seconds of the k steps
+        kv = int(last.float().mean()) + 2 if rows else 0
+        self._sparrow_draft_time = (rows, kv, _clock(drafts.device) - timed)
+    return drafts
+
+
+# On a GPU a timed interval ends in a device synchronisation, which stalls vLLM's overlap of CPU and device
+# work: only one cycle in this many is timed there. On a CPU every cycle is, at no cost.
+DEVICE_TIMING_EVERY = 16
+KEPT_CYCLE_TIMES = 4096  # the newest, when nobody takes them (an engine that does not read them)
+
+
+def _clock(device) -> float:
+    """Seconds on the wall clock once the device's queued work is done."""
+    import time
+
+    import torch
+
+    if device.type != "cpu":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def time_cycles() -> None:
+    """Patch the model runner's `execute_model` and `sample_tokens` (one engine step: the verify forward, then
+    rejection sampling and the next drafts) to time each step of decodes alone in which every row verifies k
+    drafts and the drafts for the next cycle are made: the k draft steps apart from the rest (`_draft` times
+    its own part). The worker extension hands the times out (`sparrow_take_cycle_times`). Only when
+    self-drafting (`SELF_DRAFT`); a step that prefills any row is not timed (its prefill is not the verify's)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    execute, sample = GPUModelRunner.execute_model, GPUModelRunner.sample_tokens
+    if getattr(execute, "_sparrow_patched", False):
+        return
+
+    @functools.wraps(execute)
+    def execute_timed(self, scheduler_output, *args, **kwargs):
+        self._sparrow_step_start = None
+        if _self_drafting(self):
+            self.drafter._sparrow_draft_time = None
+            self.drafter._sparrow_time_next = False
+            if _decodes_alone(self, scheduler_output):
+                self._sparrow_timed_steps = getattr(self, "_sparrow_timed_steps", 0) + 1
+                if self.device.type == "cpu" or self._sparrow_timed_steps % DEVICE_TIMING_EVERY == 0:
+                    self.drafter._sparrow_time_next = True
+                    self._sparrow_step_start = _clock(self.device)
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    @functools.wraps(sample)
+    def sample_timed(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        start = getattr(self, "_sparrow_step_start", None)
+        draft = getattr(self.drafter, "_sparrow_draft_time", None) if start is not None else None
+        if draft is not None:
+            total = _clock(self.device) - start
+            rows, kv, seconds = draft
+            times = self.__dict__.setdefault("_sparrow_cycle_times", deque(maxlen=KEPT_CYCLE_TIMES))
+            times.append((rows, kv, seconds, total - seconds))
+        self._sparrow_step_start = None
+        return out
+
+    execute_timed._sparrow_patched = True
+    sample_timed._sparrow_patched = True
+    GPUModelRunner.execute_model = execute_timed
+    GPUModelRunner.sample_tokens = sample_timed
+
+
+def _decodes_alone(runner, scheduler_output) -> bool:
+    """Every scheduled row verifies k drafts: k + 1 tokens each, no prefill beside them."""
+    counts = scheduler_output.num_scheduled_tokens
+    k = runner.vllm_config.speculative_config.num_speculative_tokens
+    return bool(counts) and all(c == k + 1 for c in counts.values())
 
 
 def note_drafts() -> None:

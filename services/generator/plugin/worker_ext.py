@@ -58,6 +58,13 @@ class SparrowWorkerExtension:
                 out[rid] = notes.pop(key)
         return out
 
+    def sparrow_take_cycle_times(self) -> list[tuple[int, int, float, float]]:
+        """Hand out and forget the cycles timed since the last call (`self_draft.time_cycles`): per cycle, the
+        batch's rows, their first draft step's mean KV length, seconds of the k draft steps and of the rest."""
+        runner = self.model_runner
+        times = runner.__dict__.pop("_sparrow_cycle_times", ())
+        return [tuple(t) for t in times]
+
     def sparrow_set_probe(self, pages: list[int] | None) -> int:
         """Rows of probe requests (`scheduled_decode.PROBE_PREFIX`) decode at `pages[bin]` pages from the
         next step on (None: they follow the schedule like every row). Returns the layers that took it."""

@@ -25,7 +25,7 @@ from prometheus_client import start_http_server
 
 from services.controller.metrics import ControllerMetrics
 from services.controller.readings import BinStatus
-from services.generator.engine import EngineVersions, FinishedSample
+from services.generator.engine import CycleTime, EngineVersions, FinishedSample
 from services.generator.metrics import GeneratorMetrics
 from services.trainer.metrics import TrainerMetrics
 from sparrow.schedule import Schedule
@@ -121,6 +121,9 @@ class GeneratorExporter:
                     draft_kv_lens=[kv + i for i in range(6)],
                 )
             )  # fmt: skip
+            # Two timed cycles of the batch: k = 3 draft steps in 12 ms, the verify and the rest in 10 ms.
+            m.record_cycle(CycleTime(rows=8, kv_len=kv, draft_seconds=0.012, verify_seconds=0.010))
+            m.record_cycle(CycleTime(rows=8, kv_len=kv + 4, draft_seconds=0.012, verify_seconds=0.010))
 
 
 class ControllerExporter:
@@ -139,6 +142,7 @@ class ControllerExporter:
         self.metrics.show_draft_estimates(
             [BinStatus(bin=i, budget=b, estimate=0.95, predicted_gain=1.8) for i, b in enumerate(SCHEDULE.budgets)]
         )
+        self.metrics.step_overhead.set(120.0)
         self.metrics.ticks.labels(outcome="ok").inc()
         self.metrics.decisions.labels(reason="lower").inc(step % 2)
 

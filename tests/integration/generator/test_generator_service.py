@@ -261,4 +261,9 @@ def test_a_speculative_generator_sends_dense_tokens_and_exports_its_acceptance_p
     cycles = sum(h.metric("sparrow_generator_speculative_cycles_total", bin=b) for b in ("0", "1"))
     assert drafted == 6 * cycles > 0 and 0 < accepted <= drafted
     assert h.metric("sparrow_generator_draft_alpha_count", bin="0") > 0
+    # Every cycle of the batch timed: as many as the longer sample's cycles (the two rows decode together).
+    timed = sum(h.metric("sparrow_generator_timed_cycles_total", bin=b) for b in ("0", "1"))
+    assert cycles / 2 <= timed <= cycles
+    for name in ("sparrow_generator_draft_seconds_total", "sparrow_generator_verify_seconds_total"):
+        assert sum(h.metric(name, bin=b) for b in ("0", "1")) > 0, name
     assert h.metric("sparrow_generator_tokens_total", mode="sparse") == 0

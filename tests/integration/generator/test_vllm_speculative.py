@@ -98,6 +98,29 @@ def test_greedy_output_is_dense_greedy_token_for_token_with_the_schedule_swapped
     assert counts["accepted"] > 0.5 * counts["drafted"]
 
 
+def test_the_engine_times_its_cycles_drafts_apart_from_the_verify(engine, monkeypatch):
+    from services.generator import vllm_engine
+
+    monkeypatch.setattr(vllm_engine, "CYCLE_TIMES_EVERY_S", 0.0)
+    engine.take_cycle_times()  # what earlier tests left
+    prompts = [tuple(range(5 + i, 200 + i)) for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        engine.submit(PromptGroup(f"t{i}", prompt, 1, 0, Sampling(max_new_tokens=120, temperature=0.0)))
+    steps, times = 0, []
+    while engine.in_flight:
+        engine.step()
+        steps += 1
+        times += engine.take_cycle_times()
+    # Decodes alone are timed: every step but the prefill's and the ones where a row ends (fewer drafts).
+    assert 0.6 * steps <= len(times) < steps, (len(times), steps)
+    assert times[0].rows == 3 and all(1 <= t.rows <= 3 for t in times)  # rows end at different steps
+    assert all(t.draft_seconds > 0 and t.verify_seconds > 0 for t in times)
+    assert 196 <= times[0].kv_len < 210 and all(196 <= t.kv_len <= 195 + 120 + 4 + 2 for t in times)
+    # Four draft steps of the small model cost more than its one verify forward, and not forty times more.
+    ratio = sum(t.draft_seconds for t in times) / sum(t.verify_seconds for t in times)
+    assert 0.5 < ratio < 10, ratio
+
+
 def test_sampled_tokens_carry_the_dense_policys_logprobs(engine):
     engine.submit(PromptGroup("t1", _prompt(5, 80), 3, 0, Sampling(max_new_tokens=120, temperature=1.0)))
     out = _drain(engine)

@@ -162,3 +162,52 @@ def test_a_step_overhead_prices_drafts_dearer_and_keeps_budgets_where_they_pay()
     assert best(paper) == 256 and best(priced) == 512
     for b in budgets:  # a fixed cost per forward brings every gain towards 1
         assert 1 < priced.gain(s, 7, b, curve(b)) < paper.gain(s, 7, b, curve(b))
+
+
+def test_the_step_overhead_priced_is_the_one_the_generators_timed_cycles_imply():
+    from sparrow.cost import decode_step_cost
+
+    s = Schedule(budgets=(512, 1024, 2048, 4096), bin_width=4096, dense_layers=(0, 1))
+    k = 6
+
+    def timed(index, overhead, cycles):
+        kv, budget = 4096 * index + 2048, s.budgets[index]
+        draft = decode_step_cost(MODEL, HARDWARE, kv, budget, 16, 2, step_overhead=overhead).total
+        verify = decode_step_cost(MODEL, HARDWARE, kv, 0, queries=k + 1, step_overhead=overhead).total
+        scale = 1e-12 * cycles  # seconds summed over the window's cycles
+        return DraftReading(0.97, 6000, 0, 0, cycles, k * draft * scale, verify * scale)
+
+    cfg = ControllerConfig.model_validate(
+        {"mode": "lossless", "lossless": {"speculative_tokens": k}, "cost": {"step_overhead": 7.0}}
+    )
+    r = lossless_retuner(cfg, MODEL, HARDWARE)
+    est = r.overhead
+    assert est.value == 7.0 and est.measured is None  # nothing timed yet: the configured figure
+    # Bins 0-1 timed as an engine paying 30 x 2P, bin 2 as one paying 90, with three times fewer cycles than each
+    # of the others; bin 3 too few cycles to count.
+    bins = {0: timed(0, 30, 24), 1: timed(1, 30, 24), 2: timed(2, 90, 8), 3: timed(3, 500, 2)}
+    r.step(s, Snapshot(s.version, bins), 1.0)
+    assert est.per_bin == pytest.approx({0: 30, 1: 30, 2: 90})
+    assert est.value == est.measured == pytest.approx((30 * 48 + 90 * 8) / 56)
+    # The gain is priced with it: the same as a retuner configured with that overhead.
+    fixed = {"mode": "lossless", "lossless": {"speculative_tokens": k},
+             "cost": {"step_overhead": est.value, "measure_step_overhead": False}}  # fmt: skip
+    same = lossless_retuner(ControllerConfig.model_validate(fixed), MODEL, HARDWARE)
+    assert r.gain(s, 1, 768, 0.98) == pytest.approx(same.gain(s, 1, 768, 0.98))
+    assert same.overhead.value == est.value and same.overhead.measure is False
+    # A blind tick, or one with no bin timed enough, keeps the last estimate.
+    r.step(s, None, 2.0)
+    r.step(s, Snapshot(s.version, {0: timed(0, 400, 3)}), 3.0)
+    assert est.value == pytest.approx((30 * 48 + 90 * 8) / 56)
+    # Times no overhead explains (a draft step as long as the verify) are left out.
+    bad = DraftReading(0.97, 6000, 0, 0, 20, 6.0, 1.0)
+    r.step(s, Snapshot(s.version, {0: bad, 1: timed(1, 60, 20)}), 4.0)
+    assert est.per_bin == pytest.approx({1: 60}) and est.value == pytest.approx(60)
+    # With measuring off, the configured figure stays whatever is timed.
+    off = lossless_retuner(
+        ControllerConfig.model_validate({**fixed, "cost": {"step_overhead": 7.0, "measure_step_overhead": False}}),
+        MODEL, HARDWARE,
+    )  # fmt: skip
+    off.step(s, Snapshot(s.version, bins), 1.0)
+    assert off.overhead.measured == pytest.approx((30 * 48 + 90 * 8) / 56)  # measured and shown, not priced
+    assert off.overhead.value == 7.0 and off.overhead.status()["priced"] == 7.0

@@ -154,3 +154,21 @@ def test_the_implied_step_overhead_reproduces_a_measured_speedup():
     # At or above the paper's own prediction no overhead is implied; a sparse run no faster has no answer.
     assert implied_step_overhead(m, paper, paper.speedup * 1.1) == 0.0
     assert implied_step_overhead(m, paper, 1.0) is None and implied_step_overhead(m, paper, 0.8) is None
+
+
+def test_the_cycle_step_overhead_reproduces_an_engines_draft_to_verify_time_ratio():
+    from sparrow.cost import cycle_step_overhead, decode_step_cost
+
+    m, hw = get_model("qwen3-1.7b"), get_hardware("h200")
+    kv, budget, k, dense = 12288, 768, 6, 2
+    # What an engine whose every forward pays 40 x 2P more would time, in any unit.
+    draft = decode_step_cost(m, hw, kv, budget, 16, dense, step_overhead=40.0).total
+    verify = decode_step_cost(m, hw, kv, 0, queries=k + 1, step_overhead=40.0).total
+    assert cycle_step_overhead(m, hw, kv, budget, k, draft * 1e-13, verify * 1e-13, 16, dense) == pytest.approx(40.0)
+    # A draft step as cheap as the paper's terms say (or cheaper) implies none; as dear as the verify, no figure.
+    paper_draft = decode_step_cost(m, hw, kv, budget, 16, dense).total
+    paper_verify = decode_step_cost(m, hw, kv, 0, queries=k + 1).total
+    assert cycle_step_overhead(m, hw, kv, budget, k, 0.5 * paper_draft, paper_verify, 16, dense) == 0.0
+    assert cycle_step_overhead(m, hw, kv, budget, k, 2.0, 2.0, 16, dense) is None
+    for bad in ((0.0, 1.0), (1.0, 0.0), (float("nan"), 1.0), (1.0, float("inf")), (-1.0, 1.0)):
+        assert cycle_step_overhead(m, hw, kv, budget, k, *bad, 16, dense) is None, bad

@@ -64,6 +64,9 @@ GENERATOR_METRICS = (
     "sparrow_generator_accepted_draft_tokens_total",
     "sparrow_generator_speculative_cycles_total",
     "sparrow_generator_draft_alpha",
+    "sparrow_generator_draft_seconds_total",
+    "sparrow_generator_verify_seconds_total",
+    "sparrow_generator_timed_cycles_total",
 )
 CONTROLLER_METRICS = (
     "sparrow_controller_budget_tokens",
@@ -78,6 +81,7 @@ CONTROLLER_METRICS = (
     "sparrow_controller_trainer_steps_unseen_total",
     "sparrow_controller_draft_alpha",
     "sparrow_controller_bin_predicted_gain",
+    "sparrow_controller_step_overhead",
 )
 
 

@@ -108,6 +108,25 @@ def test_speculation_counts_drafts_accepted_drafts_cycles_and_alpha_per_bin():
     assert s[("sparrow_generator_draft_alpha_bucket", (("bin", "0"), ("le", "0.5")))] == 1
 
 
+def test_timed_cycles_add_their_draft_and_verify_seconds_to_the_bin_of_their_kv_length():
+    from services.generator.engine import CycleTime
+
+    m = GeneratorMetrics()
+    m.show_schedule(Schedule(budgets=(48, 64), bin_width=60))
+    m.record_cycle(CycleTime(rows=8, kv_len=30, draft_seconds=0.012, verify_seconds=0.010))
+    m.record_cycle(CycleTime(rows=4, kv_len=59, draft_seconds=0.008, verify_seconds=0.006))
+    m.record_cycle(CycleTime(rows=8, kv_len=500, draft_seconds=0.02, verify_seconds=0.01))  # past the last bin
+    m.record_cycle(CycleTime(rows=8, kv_len=70, draft_seconds=0.0, verify_seconds=0.01))  # not a timing: dropped
+    s = _samples(m)
+    for name, bin0, bin1 in (
+        ("sparrow_generator_timed_cycles_total", 2, 1),
+        ("sparrow_generator_draft_seconds_total", 0.020, 0.02),
+        ("sparrow_generator_verify_seconds_total", 0.016, 0.01),
+    ):
+        assert s[(name, (("bin", "0"),))] == pytest.approx(bin0), name
+        assert s[(name, (("bin", "1"),))] == pytest.approx(bin1), name
+
+
 def test_a_response_counted_in_pieces_as_generated_counts_as_it_would_whole():
     budgets = [0] + [48] * 9 + [64] * 10  # prompt 50: contexts 50..69
     whole, pieces = GeneratorMetrics(), GeneratorMetrics()

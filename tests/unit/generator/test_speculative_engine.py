@@ -150,6 +150,27 @@ def test_emitted_logprobs_and_top_lists_are_dense_scoring_and_budgets_read_dense
         assert 0 <= s.accepted_tokens <= s.drafted_tokens and len(s.draft_alphas) == s.drafted_tokens
 
 
+def test_the_engine_times_every_cycle_drafts_apart_from_the_verify():
+    engine = _engine("speculative", k=4)
+    engine.set_schedule(AGGRESSIVE)
+    assert engine.take_cycle_times() == []
+    prompt = _random_prompt(3)
+    samples = _one(engine, prompt, n=2, max_new_tokens=40, top_p=GREEDY)
+    times = engine.take_cycle_times()
+    assert engine.take_cycle_times() == []  # handed out once
+    # Each cycle emits at least one token per row, at most k + 1: the longer sample's tokens bound the count.
+    longest = max(len(s.token_ids) for s in samples)
+    assert (longest - 1) / 5 <= len(times) <= longest - 1
+    assert all(t.rows == 2 and t.draft_seconds > 0 and t.verify_seconds > 0 for t in times)
+    kv = [t.kv_len for t in times]
+    assert kv[0] == len(prompt) + 1 and kv == sorted(kv) and kv[-1] <= len(prompt) + 40
+    # A sparse engine drafts nothing: nothing timed.
+    lossy = _engine("sparse")
+    lossy.set_schedule(AGGRESSIVE)
+    _one(lossy, prompt, max_new_tokens=8)
+    assert lossy.take_cycle_times() == []
+
+
 def test_refusals_are_one_line_and_leave_the_engine_serving(tmp_path):
     for bad in ({"speculative_tokens": 0}, {"speculative_tokens": 17}, {"decode": "lossy"}):
         with pytest.raises(EngineError, match="speculative_tokens must be in|decode must be one of") as info:
