@@ -176,9 +176,8 @@ class LosslessRetuner:
     def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
         """Observe `snapshot` (None: blind) at time `now` and propose the next draft budgets for `schedule`."""
         self.sync(schedule)
-        if self.overhead is not None:
-            self.overhead.observe(schedule, snapshot)
         statuses, desired, reasons = [], list(schedule.budgets), {}
+        fresh: dict[int, tuple[_Bin, BinStatus]] = {}
         for i, state in enumerate(self._bins):
             status = BinStatus(bin=i, budget=state.budget, since_version=state.since_version)
             statuses.append(status)
@@ -193,6 +192,11 @@ class LosslessRetuner:
                 state.last_reading, state.readings = now, state.readings + 1
             status.estimate = to_alpha(state.memory.mean(state.budget))
             status.readings, status.noise = state.readings, state.memory.noise
+            fresh[i] = state, status
+        if self.overhead is not None and snapshot is not None:
+            # Only bins whose window holds cycles of their current budget alone: the solve prices that budget.
+            self.overhead.observe(schedule, Snapshot(snapshot.trainer_version, {i: snapshot.bins[i] for i in fresh}))
+        for i, (state, status) in fresh.items():
             move = self._decide(schedule, i, state, status, now)
             if move is not None:
                 desired[i], reasons[i] = move

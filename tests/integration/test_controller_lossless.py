@@ -140,13 +140,16 @@ def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop
                 assert status["predicted_speedup"] is not None and status["predicted_speedup"] > 1
                 overhead = status["step_overhead"]  # solved from the engine's timed cycles, every bin alike
                 assert overhead["configured"] == 0 and overhead["measured"] == pytest.approx(OVERHEAD, rel=1e-3)
-                assert overhead["priced"] == overhead["measured"] and len(overhead["per_bin"]) == 4
+                # Solved in bins whose window holds only their current budget's cycles (one that just moved waits).
+                assert overhead["priced"] == overhead["measured"] and overhead["per_bin"]
+                assert all(o == pytest.approx(OVERHEAD, rel=1e-3) for o in overhead["per_bin"].values())
                 fresh = [b for b in status["bins"] if b["state"] in ("fresh", "confirming")]
                 assert fresh and all(abs(b["estimate"] - GOOD[b["bin"]](b["budget"])) < 0.01 for b in fresh), fresh
                 metrics = httpx.get(f"{api}/metrics").text
                 assert 'sparrow_controller_draft_alpha{bin="3"}' in metrics
                 assert 'sparrow_controller_bin_predicted_gain{bin="3"}' in metrics
-                assert f"sparrow_controller_step_overhead {overhead['priced']}" in metrics
+                (gauge,) = [x for x in metrics.splitlines() if x.startswith("sparrow_controller_step_overhead ")]
+                assert float(gauge.split()[1]) == pytest.approx(OVERHEAD, rel=1e-3)
 
                 generator.curves = WORSE  # the policy moved: its sparse drafts agree less at every budget
                 second = _settle(r, WORSE, 60, "after acceptance dropped")

@@ -186,7 +186,10 @@ def test_the_step_overhead_priced_is_the_one_the_generators_timed_cycles_imply()
     # Bins 0-1 timed as an engine paying 30 x 2P, bin 2 as one paying 90, with three times fewer cycles than each
     # of the others; bin 3 too few cycles to count.
     bins = {0: timed(0, 30, 24), 1: timed(1, 30, 24), 2: timed(2, 90, 8), 3: timed(3, 500, 2)}
-    r.step(s, Snapshot(s.version, bins), 1.0)
+    r.step(s, Snapshot(s.version, bins), 0.0)
+    assert est.measured is None  # the first window may hold cycles of a budget before the current one
+    later = 1.0 + cfg.prometheus.window_s
+    r.step(s, Snapshot(s.version, bins), later)
     assert est.per_bin == pytest.approx({0: 30, 1: 30, 2: 90})
     assert est.value == est.measured == pytest.approx((30 * 48 + 90 * 8) / 56)
     # The gain is priced with it: the same as a retuner configured with that overhead.
@@ -196,18 +199,19 @@ def test_the_step_overhead_priced_is_the_one_the_generators_timed_cycles_imply()
     assert r.gain(s, 1, 768, 0.98) == pytest.approx(same.gain(s, 1, 768, 0.98))
     assert same.overhead.value == est.value and same.overhead.measure is False
     # A blind tick, or one with no bin timed enough, keeps the last estimate.
-    r.step(s, None, 2.0)
-    r.step(s, Snapshot(s.version, {0: timed(0, 400, 3)}), 3.0)
+    r.step(s, None, later + 1)
+    r.step(s, Snapshot(s.version, {0: timed(0, 400, 3)}), later + 2)
     assert est.value == pytest.approx((30 * 48 + 90 * 8) / 56)
     # Times no overhead explains (a draft step as long as the verify) are left out.
     bad = DraftReading(0.97, 6000, 0, 0, 20, 6.0, 1.0)
-    r.step(s, Snapshot(s.version, {0: bad, 1: timed(1, 60, 20)}), 4.0)
+    r.step(s, Snapshot(s.version, {0: bad, 1: timed(1, 60, 20)}), later + 3)
     assert est.per_bin == pytest.approx({1: 60}) and est.value == pytest.approx(60)
     # With measuring off, the configured figure stays whatever is timed.
     off = lossless_retuner(
         ControllerConfig.model_validate({**fixed, "cost": {"step_overhead": 7.0, "measure_step_overhead": False}}),
         MODEL, HARDWARE,
     )  # fmt: skip
-    off.step(s, Snapshot(s.version, bins), 1.0)
+    off.step(s, Snapshot(s.version, bins), 0.0)
+    off.step(s, Snapshot(s.version, bins), 1.0 + cfg.prometheus.window_s)
     assert off.overhead.measured == pytest.approx((30 * 48 + 90 * 8) / 56)  # measured and shown, not priced
     assert off.overhead.value == 7.0 and off.overhead.status()["priced"] == 7.0
