@@ -40,6 +40,7 @@ QUIET_IN_A_HEALTHY_RUN = {
     "sparrow_trainer_alpha_exact": 'the exact-alpha series exist only with alpha = "exact" (test_dashboards_live.py)',
     "draft": 'the speculative series exist only with engine.decode = "speculative" (test_dashboards_live.py)',
     "speculative_cycles": 'the speculative series exist only with engine.decode = "speculative"',
+    "timed_cycles": 'the speculative series exist only with engine.decode = "speculative"',
     "sparrow_controller_bin_predicted_gain": "the controller's lossless mode runs only for speculative rollouts",
 }
 
