@@ -339,7 +339,12 @@ class GeneratorService:
         # Counted in the step that generated them, with the step's time: throughput over any window is honest.
         for g in self.engine.take_generated():
             self.metrics.record_tokens(g.prompt_len, g.kv_budgets, g.first)
-        for cycle in self.engine.take_cycle_times():
+        try:
+            cycles = self.engine.take_cycle_times()
+        except Exception:  # timings the engine could not hand out cost the metrics those cycles, not the loop
+            log.warning("could not collect the engine's timed speculative cycles", exc_info=True)
+            cycles = []
+        for cycle in cycles:
             self.metrics.record_cycle(cycle)
         for sample in finished:
             self._send(sample)
