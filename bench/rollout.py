@@ -193,7 +193,7 @@ def cost_against_measured(
 
     The generation length priced is the mean of the dense run's; {"error": ...} where the cost model has no
     figures for this machine or model."""
-    from sparrow.cost import bin_step_overhead, implied_step_overhead, predict, predict_speculative
+    from sparrow.cost import binned_step_overhead, implied_step_overhead, predict, predict_speculative
     from sparrow.hardware import HardwareError, get_hardware
     from sparrow.models import ModelSpecError, resolve_model
 
@@ -221,15 +221,10 @@ def cost_against_measured(
         out["speculative_predicted"] = predict_speculative(priced, k, acceptance).speedup
     # What the lossless controller prices without a dense run: the overhead the speculative engine's own timed
     # cycles imply (per bin, weighted by cycles), and the speculative speedup predicted with it.
-    solved = []
-    for index, t in (speculative.get("timed_cycles") or {}).items():
-        n = t["cycles"]
-        o = bin_step_overhead(spec, hardware, schedule, int(index), k, t["draft_seconds"] / (k * n),
-                              t["verify_seconds"] / n)  # fmt: skip
-        if o is not None:
-            solved.append((o, n))
-    if solved:
-        cycle_overhead = sum(o * n for o, n in solved) / sum(n for _, n in solved)
+    timed = {int(i): (t["cycles"], t["draft_seconds"], t["verify_seconds"])
+             for i, t in (speculative.get("timed_cycles") or {}).items()}  # fmt: skip
+    cycle_overhead, _ = binned_step_overhead(spec, hardware, schedule, k, timed)
+    if cycle_overhead is not None:
         priced = predict(spec, schedule, hardware, prompt_len, gen_len, samples, True, cycle_overhead)
         out["cycle_step_overhead"] = cycle_overhead
         out["speculative_predicted_from_cycles"] = predict_speculative(priced, k, acceptance).speedup

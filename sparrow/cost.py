@@ -27,6 +27,7 @@ drafts look several times cheaper than they are.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from sparrow.hardware import Hardware
@@ -208,7 +209,7 @@ def predict(
     _check_overhead(step_overhead)
     mem_weight = hardware.flops_per_byte * hardware.bytes_per_element
     args = (model.params, samples, prompt_len, gen_len, model.kv_dim, model.gqa_ratio, mem_weight)
-    dense_layers = sum(1 for layer in schedule.dense_layers if layer < model.num_layers) if price_dense_layers else 0
+    dense_layers = dense_layer_count(model, schedule) if price_dense_layers else 0
     dense_kv_dim = dense_layers * model.num_kv_heads * model.head_dim
     overhead = step_overhead * 2 * model.params * samples * gen_len
     dense = dense_cost(*args)
@@ -294,19 +295,25 @@ def dense_layer_count(model: ModelSpec, schedule: Schedule) -> int:
     return sum(1 for layer in schedule.dense_layers if layer < model.num_layers)
 
 
-def bin_step_overhead(
-    model: ModelSpec,
-    hardware: Hardware,
-    schedule: Schedule,
-    index: int,
-    k: int,
-    draft_step_seconds: float,
-    verify_seconds: float,
-) -> float | None:
-    """`cycle_step_overhead` of cycles timed in the schedule's bin `index`, priced at its middle and its budget."""
-    return cycle_step_overhead(model, hardware, bin_middle(schedule, index), schedule.budgets[index], k,
-                               draft_step_seconds, verify_seconds, schedule.page_size,
-                               dense_layer_count(model, schedule))  # fmt: skip
+def binned_step_overhead(
+    model: ModelSpec, hardware: Hardware, schedule: Schedule, k: int, timed: dict[int, tuple[float, float, float]]
+) -> tuple[float | None, dict[int, float]]:
+    """The step overhead timed cycles imply, pooled over the schedule's bins: `timed` maps a bin to its cycles,
+    the seconds of their k draft steps and of the rest. Each bin's is `cycle_step_overhead` at the bin's
+    middle and budget; the pooled figure is their mean weighted by cycles (None where no bin gives one).
+    Returns (pooled, per bin)."""
+    per_bin, total, weight = {}, 0.0, 0.0
+    for index, (cycles, draft_seconds, verify_seconds) in timed.items():
+        if not 0 <= index < schedule.num_bins or not cycles > 0:
+            continue
+        overhead = cycle_step_overhead(model, hardware, bin_middle(schedule, index), schedule.budgets[index], k,
+                                       draft_seconds / (k * cycles), verify_seconds / cycles, schedule.page_size,
+                                       dense_layer_count(model, schedule))  # fmt: skip
+        if overhead is None or not math.isfinite(overhead):
+            continue
+        per_bin[index] = overhead
+        total, weight = total + overhead * cycles, weight + cycles
+    return (total / weight if weight > 0 else None), per_bin
 
 
 @dataclass(frozen=True)

@@ -57,9 +57,9 @@ def to_alpha(y: float) -> float:
     return -math.expm1(-max(y, 0.0))
 
 
-# solve(schedule, bin index, seconds of one draft step, seconds of the rest of a cycle) -> the step overhead in
-# multiples of 2P those times imply at the bin's budget (None: none explains them); sparrow.cost.cycle_step_overhead.
-OverheadSolver = Callable[[Schedule, int, float, float], "float | None"]
+# solve(schedule, {bin: (timed cycles, seconds of their k draft steps, seconds of the rest)}) -> the step
+# overhead in multiples of 2P those times imply, pooled (None: none), and per bin: sparrow.cost.binned_step_overhead.
+OverheadSolver = Callable[[Schedule, dict], "tuple[float | None, dict[int, float]]"]
 MIN_TIMED_CYCLES = 8  # timed cycles a bin's window needs before its times price the overhead
 
 
@@ -72,9 +72,9 @@ class StepOverheadEstimate:
     configured figure is priced.
     """
 
-    def __init__(self, configured: float, k: int, solve: OverheadSolver, measure: bool = True,
+    def __init__(self, configured: float, solve: OverheadSolver, measure: bool = True,
                  min_cycles: float = MIN_TIMED_CYCLES) -> None:  # fmt: skip
-        self.configured, self.k, self.solve, self.measure = configured, k, solve, measure
+        self.configured, self.solve, self.measure = configured, solve, measure
         self.min_cycles = min_cycles
         self.measured: float | None = None
         self.per_bin: dict[int, float] = {}
@@ -84,22 +84,13 @@ class StepOverheadEstimate:
         """The overhead priced now."""
         return self.measured if self.measure and self.measured is not None else self.configured
 
-    def observe(self, schedule: Schedule, snapshot: Snapshot | None) -> None:
-        """Solve the overhead from the timed cycles of `snapshot`'s bins (None: blind, nothing changes)."""
-        if snapshot is None:
-            return
-        per_bin, total, weight = {}, 0.0, 0.0
-        for i, r in snapshot.bins.items():
-            if not isinstance(r, DraftReading) or not 0 <= i < schedule.num_bins or r.timed_cycles < self.min_cycles:
-                continue
-            overhead = self.solve(schedule, i, r.draft_seconds / (self.k * r.timed_cycles),
-                                  r.verify_seconds / r.timed_cycles)  # fmt: skip
-            if overhead is None or not math.isfinite(overhead):
-                continue
-            per_bin[i] = overhead
-            total, weight = total + overhead * r.timed_cycles, weight + r.timed_cycles
-        if weight > 0:
-            self.measured, self.per_bin = total / weight, per_bin
+    def observe(self, schedule: Schedule, readings: dict[int, DraftReading]) -> None:
+        """Solve the overhead from the timed cycles of these bins' readings."""
+        timed = {i: (r.timed_cycles, r.draft_seconds, r.verify_seconds) for i, r in readings.items()
+                 if r.timed_cycles >= self.min_cycles}  # fmt: skip
+        pooled, per_bin = self.solve(schedule, timed)
+        if pooled is not None:
+            self.measured, self.per_bin = pooled, per_bin
 
     def status(self) -> dict:
         """What the status page shows of it."""
@@ -193,9 +184,9 @@ class LosslessRetuner:
             status.estimate = to_alpha(state.memory.mean(state.budget))
             status.readings, status.noise = state.readings, state.memory.noise
             fresh[i] = state, status
-        if self.overhead is not None and snapshot is not None:
+        if self.overhead is not None and fresh:
             # Only bins whose window holds cycles of their current budget alone: the solve prices that budget.
-            self.overhead.observe(schedule, Snapshot(snapshot.trainer_version, {i: snapshot.bins[i] for i in fresh}))
+            self.overhead.observe(schedule, {i: snapshot.bins[i] for i in fresh})
         for i, (state, status) in fresh.items():
             move = self._decide(schedule, i, state, status, now)
             if move is not None:

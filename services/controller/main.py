@@ -72,14 +72,14 @@ def lossless_retuner(config: ControllerConfig, model, hardware):
     overhead the generators' timed cycles imply (the configured one until then: without it a CPU's drafts look
     several times cheaper than they are)."""
     from services.controller.lossless import LosslessRetuner, StepOverheadEstimate
-    from sparrow.cost import bin_middle, bin_step_overhead, dense_layer_count, speculative_step_speedup
+    from sparrow.cost import bin_middle, binned_step_overhead, dense_layer_count, speculative_step_speedup
 
     k = config.lossless.speculative_tokens
 
-    def solve(schedule, index, draft_step_s, verify_s):
-        return bin_step_overhead(model, hardware, schedule, index, k, draft_step_s, verify_s)
+    def solve(schedule, timed):
+        return binned_step_overhead(model, hardware, schedule, k, timed)
 
-    overhead = StepOverheadEstimate(config.cost.step_overhead, k, solve, config.cost.measure_step_overhead)
+    overhead = StepOverheadEstimate(config.cost.step_overhead, solve, config.cost.measure_step_overhead)
 
     def gain(schedule, index, budget, alpha):
         if alpha is None:
