@@ -7,6 +7,8 @@ With `--nproc-per-node N` (or `--nnodes`) it starts its own ranks under torchrun
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 from sparrow_cli.service_cmd import add_common_flags, resolve_service_config
 
@@ -64,4 +66,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         return launch.start(config, args.argv)
     except main.SetupError as exc:
+        if "WORLD_SIZE" in os.environ:
+            # A rank: its one line, then out without the interpreter's teardown, where the process group's and the
+            # gRPC server's threads, still running, abort the process (SIGABRT, SIGBUS) and hide the exit 2. Its
+            # note for the launcher is written; a rank that failed to set up has nothing to save.
+            print(f"sparrow trainer: error: {exc}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(launch.SETUP_ERROR)
         raise CliError(str(exc)) from None
