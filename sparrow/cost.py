@@ -316,6 +316,62 @@ def binned_step_overhead(
     return (total / weight if weight > 0 else None), per_bin
 
 
+def step_attention_cost(
+    model: ModelSpec,
+    hardware: Hardware,
+    kv_len: int,
+    budget: int,
+    page_size: int = PAGE_SIZE,
+    dense_layers: int = 0,
+    queries: int = 1,
+) -> float:
+    """The eFLOPs of a decode step (`decode_step_cost`) that depend on the KV: its total less the weights' 2P
+    per query. What a draft step's time grows with as its budget or the sequence grows."""
+    total = decode_step_cost(model, hardware, kv_len, budget, page_size, dense_layers, queries).total
+    return total - queries * 2 * model.params
+
+
+@dataclass(frozen=True)
+class StepTimeFit:
+    """A decode step's measured seconds as `fixed` + `per_eflop` x its attention eFLOPs (`step_attention_cost`)."""
+
+    fixed: float  # seconds a step costs whatever its KV: the weights, sampling, the engine's own work
+    per_eflop: float  # seconds per eFLOP of attention
+    points: int  # the (attention eFLOPs, seconds) observations behind it
+    spread: float  # the largest observed attention cost over the smallest
+
+    def seconds(self, attention: float) -> float:
+        """The step's predicted seconds at this attention cost."""
+        return self.fixed + self.per_eflop * attention
+
+
+def fit_step_times(points: list[tuple[float, float, float]], min_spread: float = 1.25) -> StepTimeFit | None:
+    """Least squares of a step's seconds on its attention eFLOPs, both parts kept non-negative.
+
+    `points` are (attention eFLOPs, seconds per step, weight), the weight the steps behind the figure. None
+    when the attention costs observed span less than `min_spread` (their largest over their smallest): then
+    the fixed part and the slope are not told apart by the data, and the caller prices another way.
+    """
+    pts = [(a, t, w) for a, t, w in points if a > 0 and t > 0 and w > 0 and math.isfinite(a * t * w)]
+    if len(pts) < 2:
+        return None
+    low, high = min(a for a, _, _ in pts), max(a for a, _, _ in pts)
+    if high < low * min_spread:
+        return None
+    sw = sum(w for _, _, w in pts)
+    ma = sum(w * a for a, _, w in pts) / sw
+    mt = sum(w * t for _, t, w in pts) / sw
+    saa = sum(w * (a - ma) ** 2 for a, _, w in pts)
+    sat = sum(w * (a - ma) * (t - mt) for a, t, w in pts)
+    slope = sat / saa
+    fixed = mt - slope * ma
+    if slope < 0:  # more attention never makes a step cheaper: the times are one fixed figure plus noise
+        slope, fixed = 0.0, mt
+    elif fixed < 0:  # no step costs less than nothing: through the origin
+        slope, fixed = sum(w * a * t for a, t, w in pts) / sum(w * a * a for a, _, w in pts), 0.0
+    return StepTimeFit(fixed, slope, len(pts), high / low)
+
+
 @dataclass(frozen=True)
 class SpeculativePrediction:
     """Predicted cost of lossless (self-speculative) rollouts: k sparse drafts and one dense verify per cycle."""

@@ -69,6 +69,12 @@ class StatusOut(BaseModel):
         description="Lossless mode: the step overhead priced (multiples of 2P), configured, measured from the "
         "generators' timed cycles (per bin and pooled), and whether measuring is on; null in tail mode.",
     )
+    cycle_times: dict[str, Any] | None = Field(
+        None,
+        description="Lossless mode: the generators' timed cycles as the gain prices them: a draft step's seconds "
+        "fitted as a fixed part plus a slope in its attention eFLOPs, and the verify's measured seconds per "
+        "bin (keyed by the bin's middle KV length); null in tail mode.",
+    )
     tau: float
     margin: float
     hysteresis: float

@@ -154,6 +154,13 @@ class LosslessConfig(ConfigSection):
         lt=1,
         description="The weakest shrink per doubling used to extrapolate a bin's fitted curve.",
     )
+    price_from_cycle_times: bool = Field(
+        True,
+        description="Price a bin's cycles in the seconds the generators timed them in: the verify's as measured in "
+        "the bin, a draft step's fitted over every bin and budget read (a fixed part plus a slope in the step's "
+        "attention cost), once those span enough to fit. False, or until then: the cost model, with the step "
+        "overhead of [cost].",
+    )
     curve_reset_delta: float = Field(
         0.5,
         gt=0,

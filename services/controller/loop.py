@@ -280,6 +280,7 @@ class ControlLoop:
             "predicted_speedup": self.speedup if self.speedup is not None and math.isfinite(self.speedup) else None,
             "cost": self.config.cost.model_dump(),
             "step_overhead": self.retuner.overhead.status() if getattr(self.retuner, "overhead", None) else None,
+            "cycle_times": self.retuner.timing.status() if getattr(self.retuner, "timing", None) else None,
             "tau": c.tau,
             "margin": c.margin,
             "hysteresis": c.hysteresis,

@@ -4,10 +4,12 @@ With `engine.decode = "speculative"` every emitted token is the dense policy's, 
 budget: there is no tail to hold, only throughput to win. A cycle of k drafts at budget B emits
 (1 - a^(k+1)) / (1 - a) tokens on average, where a, the mean acceptance of one draft, grows with B,
 and costs k draft steps at B plus one dense verify over k + 1 positions. A small budget makes drafts
-cheap and rejected; a large one makes them accepted and dear. The cost model prices both
-(`sparrow.cost.speculative_step_speedup` at the bin's middle KV length, with the step overhead the
-generators' own timing of drafts and verifies implies: `StepOverheadEstimate`); the generators measure a
-per bin (`sparrow_generator_draft_alpha`).
+cheap and rejected; a large one makes them accepted and dear. Both are priced in the seconds the
+generators timed their cycles in (`CycleTimeModel`: the verify as measured in the bin, a draft step
+fitted over the bins and budgets read as a fixed part plus a slope in its attention eFLOPs), and until
+those span enough to fit, by the cost model (`sparrow.cost.speculative_step_speedup` at the bin's middle
+KV length, with the step overhead the timed cycles imply: `StepOverheadEstimate`). The generators
+measure a per bin (`sparrow_generator_draft_alpha`).
 
 Acceptance is learned as y = -ln(1 - a), the log of how rarely a draft is rejected: the attention mass
 a budget misses, and with it the rejections, falls by about a constant factor per doubling of the
@@ -38,8 +40,9 @@ from services.controller.curve import Point
 from services.controller.memory import BinMemory
 from services.controller.readings import BinStatus, DraftReading, Proposal, Snapshot
 from services.controller.retune import finish_proposal
-from sparrow.cost import bin_middle
+from sparrow.cost import StepTimeFit, bin_middle, fit_step_times
 from sparrow.schedule import Schedule
+from sparrow.speculative import expected_tokens
 
 # gain(schedule, bin index, draft budget, acceptance) -> tokens per cost over dense decoding's in that bin
 GainModel = Callable[[Schedule, int, int, float], float]
@@ -98,6 +101,67 @@ class StepOverheadEstimate:
                 "measuring": self.measure, "per_bin": {str(i): o for i, o in sorted(self.per_bin.items())}}  # fmt: skip
 
 
+# attention(schedule, bin index, draft budget) -> a draft step's attention eFLOPs at the bin's middle KV length
+# (budget 0: a dense step): sparrow.cost.step_attention_cost.
+AttentionCost = Callable[[Schedule, int, int], float]
+
+
+class CycleTimeModel:
+    """A bin's cycle priced in the seconds the generators measured it in, where the cost model's eFLOPs mislead.
+
+    The verify's seconds per cycle are measured in every bin as they are (they do not depend on the draft
+    budget). A draft step's are fitted over every bin and budget read: `fixed` seconds plus a slope times the
+    step's attention eFLOPs (`sparrow.cost.fit_step_times`), so a budget not yet tried, and the dense step
+    (budget 0, what the gain is relative to), are priced from the ones that were. One observation per
+    (KV length, budget): the latest window's; observations older than `memory_s` go. Until the attention costs
+    read span enough to tell the fixed part from the slope, and for a bin whose verify is not measured yet,
+    `gain` returns None and the cost model prices it.
+    """
+
+    def __init__(self, attention: AttentionCost, k: int, memory_s: float, enabled: bool = True,
+                 min_cycles: float = MIN_TIMED_CYCLES) -> None:  # fmt: skip
+        self.attention, self.k, self.memory_s, self.enabled = attention, k, memory_s, enabled
+        self.min_cycles = min_cycles
+        self._draft: dict[tuple[int, int], tuple[float, float, float, float]] = {}  # (kv, budget): a, s, w, when
+        self._verify: dict[int, tuple[float, float]] = {}  # kv: (seconds per cycle, when)
+        self.fit: StepTimeFit | None = None
+
+    def observe(self, schedule: Schedule, readings: dict[int, DraftReading], now: float) -> None:
+        """Take these bins' timed cycles (each read under the bin's current budget) and fit again."""
+        for i, r in readings.items():
+            if r.timed_cycles < self.min_cycles or not 0 <= i < schedule.num_bins:
+                continue
+            kv, budget = bin_middle(schedule, i), schedule.budgets[i]
+            step = r.draft_seconds / (self.k * r.timed_cycles)
+            self._draft[(kv, budget)] = (self.attention(schedule, i, budget), step, r.timed_cycles, now)
+            self._verify[kv] = (r.verify_seconds / r.timed_cycles, now)
+        self._draft = {key: v for key, v in self._draft.items() if now - v[3] <= self.memory_s}
+        self._verify = {kv: v for kv, v in self._verify.items() if now - v[1] <= self.memory_s}
+        self.fit = fit_step_times([(a, t, w) for a, t, w, _ in self._draft.values()])
+
+    def gain(self, schedule: Schedule, index: int, budget: int, alpha: float) -> float | None:
+        """Tokens per second of speculative decoding over dense decoding's in bin `index` at this draft budget,
+        as the measured times price it (None: not priced yet)."""
+        verify = self._verify.get(bin_middle(schedule, index))
+        if not self.enabled or self.fit is None or verify is None:
+            return None
+        draft = self.fit.seconds(self.attention(schedule, index, budget))
+        dense = self.fit.seconds(self.attention(schedule, index, 0))
+        return expected_tokens(alpha, self.k) * dense / (self.k * draft + verify[0])
+
+    def status(self) -> dict:
+        """What the status page shows of it: the fit, and the verify's measured seconds per bin's KV length."""
+        fit = self.fit
+        return {
+            "pricing": self.enabled,
+            "fitted": fit is not None,
+            "draft_fixed_s": fit.fixed if fit else None,
+            "draft_s_per_attention_eflop": fit.per_eflop if fit else None,
+            "observations": len(self._draft),
+            "verify_s": {str(kv): v[0] for kv, v in sorted(self._verify.items())},
+        }
+
+
 @dataclass
 class _Bin:
     budget: int
@@ -118,9 +182,11 @@ class LosslessRetuner:
         window_s: float,
         gain: GainModel,
         overhead: StepOverheadEstimate | None = None,
+        timing: CycleTimeModel | None = None,
     ) -> None:
         self.config, self.lossless = retune, lossless
-        self.overhead = overhead  # observed each tick, before the gains are priced (`gain` reads it)
+        # observed each tick, before the gains are priced (`gain` reads them)
+        self.overhead, self.timing = overhead, timing
         self.window_s = window_s
         self.gain = gain
         self.grid = retune.grid
@@ -164,6 +230,27 @@ class LosslessRetuner:
         total = sum(w for _, w in pairs)
         return sum(a * w for a, w in pairs) / total if total > 0 else None
 
+    def decode_speedup(self, schedule: Schedule, prompt_len: int, gen_len: int) -> float | None:
+        """Speculative decoding's tokens per cost over dense decoding's for a response of `gen_len` tokens after a
+        `prompt_len`-token prompt: each bin's gain at its budget and fitted acceptance (the mean one where the bin
+        has none), weighted by the positions generated in it. Decode only: the prefill is left out. None before
+        any acceptance is measured, or where a bin is not priced."""
+        mean = self.mean_acceptance()
+        if mean is None:
+            return None
+        tokens, cost, end = 0, 0.0, prompt_len + gen_len
+        for i in range(schedule.num_bins):
+            start, stop = schedule.bin_range(i)
+            n = min(end, stop if stop is not None else end) - max(prompt_len, start)
+            if n <= 0:
+                continue
+            alpha = self.acceptance(i, schedule.budgets[i]) if i < len(self._bins) else None
+            gain = self.gain(schedule, i, schedule.budgets[i], mean if alpha is None else alpha)
+            if not (math.isfinite(gain) and gain > 0):
+                return None
+            tokens, cost = tokens + n, cost + n / gain
+        return tokens / cost if tokens else None
+
     def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
         """Observe `snapshot` (None: blind) at time `now` and propose the next draft budgets for `schedule`."""
         self.sync(schedule)
@@ -184,9 +271,13 @@ class LosslessRetuner:
             status.estimate = to_alpha(state.memory.mean(state.budget))
             status.readings, status.noise = state.readings, state.memory.noise
             fresh[i] = state, status
-        if self.overhead is not None and fresh:
-            # Only bins whose window holds cycles of their current budget alone: the solve prices that budget.
-            self.overhead.observe(schedule, {i: snapshot.bins[i] for i in fresh})
+        if fresh:
+            # Only bins whose window holds cycles of their current budget alone: their times are that budget's.
+            readings = {i: snapshot.bins[i] for i in fresh}
+            if self.overhead is not None:
+                self.overhead.observe(schedule, readings)
+            if self.timing is not None:
+                self.timing.observe(schedule, readings, now)
         for i, (state, status) in fresh.items():
             move = self._decide(schedule, i, state, status, now)
             if move is not None:

@@ -52,6 +52,10 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
             alpha = retuner.mean_acceptance()  # nothing measured yet: no prediction (NaN)
             if alpha is None:
                 return float("nan")
+            if retuner.timing.fit is not None and retuner.timing.enabled:  # priced in measured seconds: decode only
+                measured = retuner.decode_speedup(schedule, cost.prompt_len, cost.gen_len)
+                if measured is not None:
+                    return measured
             return predict_speculative(predict_schedule(schedule), config.lossless.speculative_tokens, alpha).speedup
 
         def predict_schedule(schedule):
@@ -68,18 +72,30 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
 
 
 def lossless_retuner(config: ControllerConfig, model, hardware):
-    """Lossless mode's retuner, its gain priced by the cost model at each bin's middle KV length with the step
-    overhead the generators' timed cycles imply (the configured one until then: without it a CPU's drafts look
-    several times cheaper than they are)."""
-    from services.controller.lossless import LosslessRetuner, StepOverheadEstimate
-    from sparrow.cost import bin_middle, binned_step_overhead, dense_layer_count, speculative_step_speedup
+    """Lossless mode's retuner. Its gain is priced in the seconds the generators timed their cycles in, once they
+    span enough budgets and lengths to fit (`CycleTimeModel`); until then by the cost model at each bin's middle KV
+    length, with the step overhead the timed cycles imply (the configured one until then: without it a CPU's
+    drafts look several times cheaper than they are)."""
+    from services.controller.lossless import CycleTimeModel, LosslessRetuner, StepOverheadEstimate
+    from sparrow.cost import (
+        bin_middle,
+        binned_step_overhead,
+        dense_layer_count,
+        speculative_step_speedup,
+        step_attention_cost,
+    )
 
     k = config.lossless.speculative_tokens
 
     def solve(schedule, timed):
         return binned_step_overhead(model, hardware, schedule, k, timed)
 
+    def attention(schedule, index, budget):
+        return step_attention_cost(model, hardware, bin_middle(schedule, index), budget, schedule.page_size,
+                                   dense_layer_count(model, schedule))  # fmt: skip
+
     overhead = StepOverheadEstimate(config.cost.step_overhead, solve, config.cost.measure_step_overhead)
+    timing = CycleTimeModel(attention, k, config.retune.curve_memory_s, config.lossless.price_from_cycle_times)
 
     def gain(schedule, index, budget, alpha):
         if alpha is None:
@@ -87,10 +103,13 @@ def lossless_retuner(config: ControllerConfig, model, hardware):
         kv = bin_middle(schedule, index)
         if budget >= kv:  # the draft reads the whole KV: it is the dense policy
             alpha = 1.0
+        measured = timing.gain(schedule, index, budget, alpha)
+        if measured is not None:
+            return measured
         return speculative_step_speedup(model, hardware, kv, budget, k, alpha, schedule.page_size,
                                         dense_layer_count(model, schedule), overhead.value)  # fmt: skip
 
-    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain, overhead)
+    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain, overhead, timing)
 
 
 def serve(config: ControllerConfig) -> None:

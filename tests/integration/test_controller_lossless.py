@@ -3,7 +3,8 @@ generator's own metrics class), with a real Redis: `sparrow controller` in a sub
 
 The stand-in's draft acceptance per bin follows known curves at the budgets of the schedule in Redis.
 The stand-in also times its cycles as an engine with a known step overhead would. The controller, configured
-with none, must price the overhead those times imply and bring every bin to a draft budget whose tokens per
+with none, must price the overhead those times imply, fit its draft steps' seconds and price the gain in them,
+and bring every bin to a draft budget whose tokens per
 cost (the cost model's, at the acceptance the curve gives and the true overhead) is within a few percent of
 the best budget in its bounds, move the budgets up
 when acceptance drops (the policy moved), and report its estimates; then stop cleanly on SIGTERM.
@@ -150,6 +151,13 @@ def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop
                 assert 'sparrow_controller_bin_predicted_gain{bin="3"}' in metrics
                 (gauge,) = [x for x in metrics.splitlines() if x.startswith("sparrow_controller_step_overhead ")]
                 assert float(gauge.split()[1]) == pytest.approx(OVERHEAD, rel=1e-3)
+                # The gain is priced in the stand-in's seconds: its draft steps fitted as a fixed part (2P x (1 +
+                # OVERHEAD) at 1e-12 s an eFLOP) plus a slope in attention, its verifies as timed in each bin.
+                times = status["cycle_times"]
+                assert times["pricing"] and times["fitted"] and times["verify_s"], times
+                p = resolve_model("qwen3-1.7b").params
+                assert times["draft_fixed_s"] == pytest.approx(1e-12 * 2 * p * (1 + OVERHEAD), rel=1e-3)
+                assert times["draft_s_per_attention_eflop"] == pytest.approx(1e-12, rel=1e-3)
 
                 generator.curves = WORSE  # the policy moved: its sparse drafts agree less at every budget
                 second = _settle(r, WORSE, 60, "after acceptance dropped")

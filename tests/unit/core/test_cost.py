@@ -172,3 +172,40 @@ def test_the_cycle_step_overhead_reproduces_an_engines_draft_to_verify_time_rati
     assert cycle_step_overhead(m, hw, kv, budget, k, 2.0, 2.0, 16, dense) is None
     for bad in ((0.0, 1.0), (1.0, 0.0), (float("nan"), 1.0), (1.0, float("inf")), (-1.0, 1.0)):
         assert cycle_step_overhead(m, hw, kv, budget, k, *bad, 16, dense) is None, bad
+
+
+def test_a_steps_attention_cost_is_its_total_less_the_weights():
+    from sparrow.cost import decode_step_cost, step_attention_cost
+
+    m, hw = get_model("qwen3-1.7b"), get_hardware("h200")
+    for kv, budget, queries in ((12288, 768, 1), (12288, 0, 1), (4096, 0, 7), (500, 2048, 1)):
+        total = decode_step_cost(m, hw, kv, budget, 16, 2, queries).total
+        assert step_attention_cost(m, hw, kv, budget, 16, 2, queries) == pytest.approx(total - queries * 2 * m.params)
+    # A budget at or over the KV is the dense step; a smaller one attends less.
+    assert step_attention_cost(m, hw, 500, 2048, 16, 2) == step_attention_cost(m, hw, 500, 0, 16, 2)
+    assert 0 < step_attention_cost(m, hw, 12288, 768, 16, 2) < step_attention_cost(m, hw, 12288, 0, 16, 2)
+
+
+def test_step_times_are_fitted_as_a_fixed_part_plus_a_slope_in_attention():
+    from sparrow.cost import fit_step_times
+
+    # Exact line: 9 ms a step plus 2 ms per unit of attention, whatever the weights.
+    pts = [(a, 0.009 + 0.002 * a, w) for a, w in ((1.0, 10), (2.5, 1), (4.0, 30))]
+    fit = fit_step_times(pts)
+    assert fit.fixed == pytest.approx(0.009) and fit.per_eflop == pytest.approx(0.002)
+    assert fit.points == 3 and fit.spread == pytest.approx(4.0) and fit.seconds(3.0) == pytest.approx(0.015)
+    # Weighted: the heavier observations pull the line.
+    noisy = fit_step_times([(1.0, 0.010, 100), (2.0, 0.013, 1), (3.0, 0.014, 100)])
+    assert noisy.per_eflop == pytest.approx(0.002, rel=0.01)
+    # Times falling with attention (noise around one figure): a fixed cost, no slope.
+    flat = fit_step_times([(1.0, 0.012, 1), (2.0, 0.010, 1)])
+    assert flat.per_eflop == 0 and flat.fixed == pytest.approx(0.011)
+    # A line through negative fixed seconds: through the origin instead.
+    steep = fit_step_times([(1.0, 0.001, 1), (2.0, 0.010, 1)])
+    assert steep.fixed == 0 and steep.per_eflop == pytest.approx((0.001 + 0.020) / 5)
+    # Too narrow a span of attention costs to tell the two apart, one point, or only bad points: no fit.
+    assert fit_step_times([(1.0, 0.01, 1), (1.2, 0.011, 1)]) is None
+    assert fit_step_times([(1.0, 0.01, 1)]) is None
+    bad = [(0.0, 0.01, 1), (2.0, -1.0, 1), (3.0, float("nan"), 1), (4.0, 0.01, 0)]
+    assert fit_step_times(bad) is None
+    assert fit_step_times([*bad, (1.0, 0.011, 1), (2.0, 0.013, 1)]).per_eflop == pytest.approx(0.002)
