@@ -26,7 +26,8 @@ budget for `hold_s` and `min_readings` readings, it moves to the grid budget wit
 `max_step_ratio` whose predicted tokens per cost is highest, if that beats the current budget's
 (fitted at its own readings) by `min_gain`. A budget tried and found worse than predicted keeps
 its reading, so the bin does not go back to it while the curve holds. The schedule is then
-repaired non-decreasing, as in tail mode.
+repaired non-decreasing, as in tail mode; a raise that repair would carry into later bins is made only
+if the bins it moves are, together, predicted to decode faster (each weighted by its dense step's cost).
 """
 
 from __future__ import annotations
@@ -183,8 +184,11 @@ class LosslessRetuner:
         gain: GainModel,
         overhead: StepOverheadEstimate | None = None,
         timing: CycleTimeModel | None = None,
+        weight: Callable[[Schedule, int], float] | None = None,
     ) -> None:
         self.config, self.lossless = retune, lossless
+        # weight(schedule, bin): what a dense step costs there, relative to the other bins (None: alike)
+        self.weight = weight
         # observed each tick, before the gains are priced (`gain` reads them)
         self.overhead, self.timing = overhead, timing
         self.window_s = window_s
@@ -282,7 +286,35 @@ class LosslessRetuner:
             move = self._decide(schedule, i, state, status, now)
             if move is not None:
                 desired[i], reasons[i] = move
+        self._keep_raises_that_pay(schedule, desired, reasons)
         return finish_proposal(schedule, desired, reasons, statuses)
+
+    def _keep_raises_that_pay(self, schedule: Schedule, desired: list[int], reasons: dict[int, str]) -> None:
+        """Drop a raise the non-decreasing repair would carry into later bins, unless the bins it moves together
+        are predicted to decode faster: a short bin, where drafts barely pay, must not take the long bins, where
+        the time goes, off their cheapest budgets for a gain of its own of a few percent."""
+        for i in sorted(i for i, why in reasons.items() if why.startswith("raise")):
+            without = list(desired)
+            without[i] = schedule.budgets[i]
+            spent_with, spent_without = self._decode_cost(schedule, desired), self._decode_cost(schedule, without)
+            if spent_with is not None and spent_without is not None and spent_with > spent_without:
+                desired[i] = schedule.budgets[i]
+                del reasons[i]
+
+    def _decode_cost(self, schedule: Schedule, desired: list[int]) -> float | None:
+        """The predicted cost of decoding one position in each bin under `desired` once repaired non-decreasing,
+        relative to dense decoding (each bin's weight over its gain); bins with no acceptance yet left out."""
+        total, budget = 0.0, 0
+        for i, want in enumerate(desired):
+            budget = max(budget, want)
+            alpha = self.acceptance(i, budget) if i < len(self._bins) else None
+            if alpha is None:
+                continue
+            gain = self.gain(schedule, i, budget, alpha)
+            if not (math.isfinite(gain) and gain > 0):
+                return None
+            total += (self.weight(schedule, i) if self.weight else 1.0) / gain
+        return total
 
     def probe_budgets(self, schedule: Schedule, ratio: float) -> dict[int, int]:
         """No probes in lossless mode: a budget is tried by the bin itself, at no risk to the samples."""

@@ -80,6 +80,7 @@ def lossless_retuner(config: ControllerConfig, model, hardware):
     from sparrow.cost import (
         bin_middle,
         binned_step_overhead,
+        decode_step_cost,
         dense_layer_count,
         speculative_step_speedup,
         step_attention_cost,
@@ -109,7 +110,11 @@ def lossless_retuner(config: ControllerConfig, model, hardware):
         return speculative_step_speedup(model, hardware, kv, budget, k, alpha, schedule.page_size,
                                         dense_layer_count(model, schedule), overhead.value)  # fmt: skip
 
-    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain, overhead, timing)
+    def weight(schedule, index):  # a dense step in the bin, as the cost model prices it
+        return decode_step_cost(model, hardware, bin_middle(schedule, index), 0,
+                                step_overhead=overhead.value).total  # fmt: skip
+
+    return LosslessRetuner(config.retune, config.lossless, config.prometheus.window_s, gain, overhead, timing, weight)
 
 
 def serve(config: ControllerConfig) -> None:

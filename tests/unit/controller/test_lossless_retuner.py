@@ -326,3 +326,43 @@ def test_priced_in_measured_seconds_a_cpu_keeps_the_budget_that_pays_where_the_o
     positions = [1024 - 256] + [1024] * 6 + [256 + 7800 - 7 * 1024]
     cost = sum(n / true_gain(i, b) for i, (n, b) in enumerate(zip(positions, s.budgets, strict=True)))
     assert timed.decode_speedup(s, 256, 7800) == pytest.approx(sum(positions) / cost, rel=1e-6)
+
+
+def test_a_short_bins_raise_that_would_push_the_long_bins_off_their_best_is_not_made():
+    """Bin 0 (short KV: drafts barely pay) gains 2% at 1024 over 512; the later bins, where the time goes, are best
+    at 512 and lose 13% at 1024. The non-decreasing repair would carry bin 0's raise into them: it is not made.
+    Where the later bins are best at 1024, the same raise costs them nothing and is made."""
+    from services.controller.lossless import LosslessRetuner
+
+    cfg = config()
+    short = {512: 0.94, 1024: 0.96}
+    table = {0: short, 1: {512: 1.5, 1024: 1.3}, 2: {512: 1.6, 1024: 1.4}}
+
+    def gain(schedule, index, budget, alpha):
+        return table[index].get(budget, 0.5)  # off the two budgets: far worse
+
+    def settle(budgets):
+        r = LosslessRetuner(cfg.retune, cfg.lossless, WINDOW, gain, weight=lambda s, i: 1.0 + i)
+        s, moves = Schedule(budgets=budgets, bin_width=1024), []
+        for t in range(40):
+            bins = {i: DraftReading(0.99, 6000) for i in range(3)}
+            proposal = r.step(s, Snapshot(s.version, bins), float(t))
+            if proposal.changed:
+                moves += proposal.decisions
+                s = Schedule(**{**s.with_budgets(proposal.budgets).to_dict(), "version": s.version + 1})
+        return s.budgets, moves
+
+    budgets, moves = settle((512, 512, 512))
+    assert budgets == (512, 512, 512) and not moves
+    table.update({1: {512: 1.3, 1024: 1.5}, 2: {512: 1.4, 1024: 1.6}})
+    budgets, moves = settle((512, 1024, 1024))
+    assert budgets == (1024, 1024, 1024)
+    assert [(d.bin, d.old, d.new, d.reason) for d in moves] == [(0, 512, 1024, "raise")]
+    # The check is what held the first: bin 0 alone (no later bin to carry) moves to 1024.
+    r = LosslessRetuner(cfg.retune, cfg.lossless, WINDOW, gain)
+    s = Schedule(budgets=(512,), bin_width=1024)
+    for t in range(40):
+        proposal = r.step(s, Snapshot(s.version, {0: DraftReading(0.99, 6000)}), float(t))
+        if proposal.changed:
+            break
+    assert proposal.budgets == (1024,)
