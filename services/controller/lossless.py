@@ -234,27 +234,6 @@ class LosslessRetuner:
         total = sum(w for _, w in pairs)
         return sum(a * w for a, w in pairs) / total if total > 0 else None
 
-    def decode_speedup(self, schedule: Schedule, prompt_len: int, gen_len: int) -> float | None:
-        """Speculative decoding's tokens per cost over dense decoding's for a response of `gen_len` tokens after a
-        `prompt_len`-token prompt: each bin's gain at its budget and fitted acceptance (the mean one where the bin
-        has none), weighted by the positions generated in it. Decode only: the prefill is left out. None before
-        any acceptance is measured, or where a bin is not priced."""
-        mean = self.mean_acceptance()
-        if mean is None:
-            return None
-        tokens, cost, end = 0, 0.0, prompt_len + gen_len
-        for i in range(schedule.num_bins):
-            start, stop = schedule.bin_range(i)
-            n = min(end, stop if stop is not None else end) - max(prompt_len, start)
-            if n <= 0:
-                continue
-            alpha = self.acceptance(i, schedule.budgets[i]) if i < len(self._bins) else None
-            gain = self.gain(schedule, i, schedule.budgets[i], mean if alpha is None else alpha)
-            if not (math.isfinite(gain) and gain > 0):
-                return None
-            tokens, cost = tokens + n, cost + n / gain
-        return tokens / cost if tokens else None
-
     def step(self, schedule: Schedule, snapshot: Snapshot | None, now: float) -> Proposal:
         """Observe `snapshot` (None: blind) at time `now` and propose the next draft budgets for `schedule`."""
         self.sync(schedule)

@@ -52,10 +52,6 @@ def build_loop(config: ControllerConfig) -> ControlLoop:
             alpha = retuner.mean_acceptance()  # nothing measured yet: no prediction (NaN)
             if alpha is None:
                 return float("nan")
-            if retuner.timing.fit is not None and retuner.timing.enabled:  # priced in measured seconds: decode only
-                measured = retuner.decode_speedup(schedule, cost.prompt_len, cost.gen_len)
-                if measured is not None:
-                    return measured
             return predict_speculative(predict_schedule(schedule), config.lossless.speculative_tokens, alpha).speedup
 
         def predict_schedule(schedule):

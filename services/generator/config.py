@@ -112,6 +112,15 @@ class EngineConfig(ConfigSection):
             "graphs (static decode; not yet run on a GPU)."
         ),
     )
+    cpu_compile: bool = Field(
+        False,
+        description=(
+            "vLLM on CPU only: compile the model (torch.compile through vLLM's compilation, attention left eager) "
+            "instead of running it eagerly. It cuts the per-step work around attention, which on a small model "
+            "is most of a step (models/long at 4K on 2 cores: a draft step 4-6 ms instead of 5-8 ms; "
+            "docs/results.md); about a minute more at start."
+        ),
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

@@ -81,7 +81,7 @@ def build_engine(config: GeneratorConfig) -> RolloutEngine:
                 max_model_len=e.max_model_len,
                 max_num_seqs=e.max_num_seqs,
                 gpu_memory_utilization=e.gpu_memory_utilization,
-                enforce_eager=e.cuda_graphs == "off" or not cuda,
+                enforce_eager=e.cuda_graphs == "off" if cuda else not e.cpu_compile,
                 static_decode=e.cuda_graphs == "full" and cuda,
                 # A DistillSparse adapter belongs to the drafts, which vLLM would apply to the verify too.
                 enable_lora=e.enable_lora and e.decode != "speculative",

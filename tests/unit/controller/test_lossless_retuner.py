@@ -277,7 +277,7 @@ def test_priced_in_measured_seconds_a_cpu_keeps_the_budget_that_pays_where_the_o
     """On this CPU a verify over k + 1 positions takes about 2 dense steps where the cost model prices 7, and a
     draft step's fixed part is most of it (8K RL run, docs/results.md). The one-overhead fit to the draft/verify
     ratio then prices drafts too cheap: it picks half the best budget and predicts 1.7x where 1.27x is true. The
-    measured seconds pick the best budget and predict the true gain."""
+    measured seconds pick the best budget and, with the dense step as the fit extrapolates it, its true gain."""
     from sparrow.cost import bin_middle, step_attention_cost
     from sparrow.hardware import Hardware
     from sparrow.speculative import expected_tokens
@@ -321,11 +321,6 @@ def test_priced_in_measured_seconds_a_cpu_keeps_the_budget_that_pays_where_the_o
     for b in grid:
         assert timed.gain(s, 7, b, curve(b)) == pytest.approx(true_gain(7, b), rel=1e-6)
     assert fitted.gain(s, 7, 512, curve(512)) > 1.3 * true_gain(7, 512)
-    # The decode speedup of a 7.8K-token response: the bins' gains at their budgets, weighted by the positions
-    # generated in each.
-    positions = [1024 - 256] + [1024] * 6 + [256 + 7800 - 7 * 1024]
-    cost = sum(n / true_gain(i, b) for i, (n, b) in enumerate(zip(positions, s.budgets, strict=True)))
-    assert timed.decode_speedup(s, 256, 7800) == pytest.approx(sum(positions) / cost, rel=1e-6)
 
 
 def test_a_short_bins_raise_that_would_push_the_long_bins_off_their_best_is_not_made():

@@ -119,3 +119,24 @@ def test_auto_dtype_on_cpu_is_bf16_only_where_the_cpu_computes_it(monkeypatch, a
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     assert cpu_auto_dtype() == want
+
+
+@pytest.mark.parametrize(
+    "cuda, cpu_compile, cuda_graphs, eager",
+    [(False, False, "piecewise", True), (False, True, "piecewise", False), (True, True, "off", True),
+     (True, False, "piecewise", False)],
+)  # fmt: skip
+def test_a_cpu_engine_compiles_only_when_asked_and_a_cuda_one_as_its_graphs_say(
+    monkeypatch, cuda, cpu_compile, cuda_graphs, eager
+):
+    """The vLLM engine's build is replaced by a recorder (building one is the integration tests' work): what
+    `build_engine` asks of it is the knob's whole effect."""
+    import services.generator.vllm_engine as vllm_engine
+    from services.generator import main
+
+    built = []
+    monkeypatch.setattr(vllm_engine, "VllmEngine", lambda config: built.append(config) or config)
+    monkeypatch.setattr(main, "_cuda", lambda: cuda)
+    overrides = {"engine.cpu_compile": cpu_compile, "engine.cuda_graphs": cuda_graphs, "engine.dtype": "float32"}
+    main.build_engine(load_config(GeneratorConfig, overrides=overrides))
+    assert [c.enforce_eager for c in built] == [eager]
