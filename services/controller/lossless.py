@@ -113,7 +113,9 @@ class CycleTimeModel:
     The verify's seconds per cycle are measured in every bin as they are (they do not depend on the draft
     budget). A draft step's are fitted over every bin and budget read: `fixed` seconds plus a slope times the
     step's attention eFLOPs (`sparrow.cost.fit_step_times`), so a budget not yet tried, and the dense step
-    (budget 0, what the gain is relative to), are priced from the ones that were. One observation per
+    (budget 0, what the gain is relative to), are priced from the ones that were. The dense step is the fit
+    extrapolated far past the budgets read: it ranks budgets (which does not depend on it), but its "x dense"
+    is no forecast (on a 2-core CPU 1.45-2.2x where about 1.0x was measured). One observation per
     (KV length, budget): the latest window's; observations older than `memory_s` go. Until the attention costs
     read span enough to tell the fixed part from the slope, and for a bin whose verify is not measured yet,
     `gain` returns None and the cost model prices it.
