@@ -101,6 +101,9 @@ class ControlLoop:
                 self.metrics.show_draft_estimates(proposal.bins)
                 if self.retuner.overhead is not None:
                     self.metrics.step_overhead.set(self.retuner.overhead.value)
+                fit = self.retuner.timing.fit if self.retuner.timing is not None else None
+                if fit is not None:
+                    self.metrics.draft_fixed.set(fit.fixed)
                 self._refresh_speedup()
             else:
                 self.metrics.show_estimates({s.bin: s.estimate for s in proposal.bins if s.estimate is not None})

@@ -47,6 +47,12 @@ class ControllerMetrics:
             "timed cycles, or the configured one).",
             registry=r,
         )
+        self.draft_fixed = Gauge(
+            "sparrow_controller_draft_fixed_seconds",
+            "Lossless mode: the fixed part of a draft step in the fit of the generators' timed cycles (seconds a "
+            "step costs whatever its budget); 0 until the cycles span enough to fit.",
+            registry=r,
+        )
         self.version = Gauge("sparrow_controller_schedule_version", "Version of the current schedule.", registry=r)
         self.blind = Gauge(
             "sparrow_controller_blind", "1 while no fresh trainer metrics are readable (schedule held).", registry=r

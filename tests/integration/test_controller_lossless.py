@@ -158,6 +158,8 @@ def test_lossless_controller_finds_the_cheapest_draft_budgets_and_follows_a_drop
                 p = resolve_model("qwen3-1.7b").params
                 assert times["draft_fixed_s"] == pytest.approx(1e-12 * 2 * p * (1 + OVERHEAD), rel=1e-3)
                 assert times["draft_s_per_attention_eflop"] == pytest.approx(1e-12, rel=1e-3)
+                (fixed,) = [x for x in metrics.splitlines() if x.startswith("sparrow_controller_draft_fixed_seconds ")]
+                assert float(fixed.split()[1]) > 0  # the fit of a tick at or after the status read above
 
                 generator.curves = WORSE  # the policy moved: its sparse drafts agree less at every budget
                 second = _settle(r, WORSE, 60, "after acceptance dropped")

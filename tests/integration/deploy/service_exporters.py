@@ -143,6 +143,7 @@ class ControllerExporter:
             [BinStatus(bin=i, budget=b, estimate=0.95, predicted_gain=1.8) for i, b in enumerate(SCHEDULE.budgets)]
         )
         self.metrics.step_overhead.set(120.0)
+        self.metrics.draft_fixed.set(0.004)
         self.metrics.ticks.labels(outcome="ok").inc()
         self.metrics.decisions.labels(reason="lower").inc(step % 2)
 

@@ -82,6 +82,7 @@ CONTROLLER_METRICS = (
     "sparrow_controller_draft_alpha",
     "sparrow_controller_bin_predicted_gain",
     "sparrow_controller_step_overhead",
+    "sparrow_controller_draft_fixed_seconds",
 )
 
 
