@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return launch.start(config, args.argv)
     except main.SetupError as exc:
-        if "WORLD_SIZE" in os.environ:
+        if launch.started_as_rank():
             # A rank: its one line, then out without the interpreter's teardown, where the process group's and the
             # gRPC server's threads, still running, abort the process (SIGABRT, SIGBUS) and hide the exit 2. Its
             # note for the launcher is written; a rank that failed to set up has nothing to save.

@@ -58,7 +58,7 @@ def start(config: TrainerServiceConfig, argv: list[str]) -> int:
     from services.trainer.main import SetupError, serve
     from services.trainer.prechecks import PrecheckError, check_start
 
-    if "WORLD_SIZE" in os.environ:
+    if started_as_rank():
         try:
             serve(config)
         except SetupError as exc:
@@ -75,6 +75,11 @@ def start(config: TrainerServiceConfig, argv: list[str]) -> int:
         serve(config)
         return 0
     return Launcher(config, argv).run()
+
+
+def started_as_rank() -> bool:
+    """Whether this process is one rank a launcher (ours or a user's torchrun) started, not the command itself."""
+    return "WORLD_SIZE" in os.environ
 
 
 def note_setup_error(message: str) -> None:
